@@ -1,0 +1,153 @@
+"""Per-example clipping: the sensitivity of every release (DESIGN.md, invariant 1).
+
+Each sampled example contributes ONE clipped query ḡ_i with ‖ḡ_i‖₂ ≤ C, where
+the norm is taken in float32 over the vector that is actually summed.
+
+* Flat clipping (default):  ḡ = g · min(1, C / ‖g‖₂), the norm over ALL
+  parameter blocks concatenated (Abadi et al. 2016; paper 1, eq. 1).
+* Per-layer clipping: block l is clipped to C_l with Σ_l C_l² = C², so the
+  concatenated vector still has norm ≤ C.
+* Automatic clipping (Bu et al., AUTO-S; paper 1, appendix K):
+  ḡ = g · C / (‖g‖₂ + γ), whose norm is < C for every g; optionally per layer
+  with the thresholds C_l above.
+
+A per-example query with a non-finite entry contributes zero and is counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+# Guards C / ‖g‖ at ‖g‖ = 0, as Opacus does; keeps ‖ḡ‖ ≤ C up to float rounding.
+_NORM_EPS = 1e-6
+
+
+class ClippedExample(NamedTuple):
+  """One example's clipped query and non-private statistics about it."""
+
+  clipped: PyTree  # float32 leaves, L2 norm ≤ C
+  norm: jax.Array  # ‖g‖₂ before clipping (non-private)
+  is_clipped: jax.Array  # whether the factor was < 1 (non-private)
+  is_finite: jax.Array  # False: the example contributes zero
+
+
+def _as_float32(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), tree)
+
+
+def _sq_norm(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.square(x))
+
+
+def flat_norm(tree: PyTree) -> jax.Array:
+  """‖g‖₂ of all leaves concatenated, in float32."""
+  leaves = jax.tree.leaves(_as_float32(tree))
+  return jnp.sqrt(sum(_sq_norm(x) for x in leaves))
+
+
+def _zero_if_nonfinite(tree: PyTree, finite: jax.Array) -> PyTree:
+  # jnp.where, not multiplication: 0 · inf is NaN.
+  return jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Clipping:
+  """How each per-example query is bounded; ``l2_clip_norm`` is the sensitivity C.
+
+  Build one with :func:`flat_clipping`, :func:`per_layer_clipping` or
+  :func:`automatic_clipping`.
+
+  Attributes:
+    l2_clip_norm: the total L2 bound C of one example's contribution.
+    per_layer: clip each leaf separately to C_l = C · w_l / ‖w‖ (``layer_weights``
+      w_l, default all equal, i.e. C_l = C / √L).
+    automatic: use g · C / (‖g‖ + gamma) instead of g · min(1, C / ‖g‖).
+    gamma: the stabiliser of automatic clipping.
+    layer_weights: optional pytree (same structure as the query) of positive
+      relative thresholds for per-layer clipping.
+  """
+
+  l2_clip_norm: float
+  per_layer: bool = False
+  automatic: bool = False
+  gamma: float = 0.01
+  layer_weights: PyTree | None = None
+
+  def __post_init__(self):
+    if not (math.isfinite(self.l2_clip_norm) and self.l2_clip_norm > 0):
+      raise ValueError(f"l2_clip_norm must be a positive finite number, got {self.l2_clip_norm}.")
+    if self.automatic and not self.gamma > 0:
+      raise ValueError(f"automatic clipping needs gamma > 0, got {self.gamma}.")
+    if self.layer_weights is not None and not self.per_layer:
+      raise ValueError("layer_weights only apply to per-layer clipping.")
+
+  @property
+  def name(self) -> str:
+    kind = "automatic" if self.automatic else "clip"
+    return f"{'per_layer' if self.per_layer else 'flat'}_{kind}"
+
+  def layer_thresholds(self, tree: PyTree) -> PyTree:
+    """C_l per leaf, with Σ_l C_l² = C² (per-layer clipping)."""
+    if self.layer_weights is None:
+      n = len(jax.tree.leaves(tree))
+      return jax.tree.map(lambda _: self.l2_clip_norm / math.sqrt(n), tree)
+    weights = jax.tree.leaves(self.layer_weights)
+    if any(not w > 0 for w in weights):
+      raise ValueError("per-layer clipping weights must all be positive.")
+    total = math.sqrt(sum(float(w) ** 2 for w in weights))
+    return jax.tree.map(lambda w: self.l2_clip_norm * float(w) / total, self.layer_weights)
+
+  def _factor(self, norm: jax.Array, bound: float | jax.Array) -> jax.Array:
+    if self.automatic:
+      return bound / (norm + self.gamma)
+    return jnp.minimum(1.0, bound / (norm + _NORM_EPS))
+
+  def clip(self, query: PyTree) -> ClippedExample:
+    """Clips ONE example's query (a pytree without a batch axis)."""
+    query = _as_float32(query)
+    norm = flat_norm(query)
+    finite = jnp.isfinite(norm)
+    if self.per_layer:
+      thresholds = self.layer_thresholds(query)
+      factors = jax.tree.map(
+          lambda g, c: self._factor(jnp.sqrt(_sq_norm(g)), c), query, thresholds
+      )
+      clipped = jax.tree.map(lambda g, f: g * f, query, factors)
+      is_clipped = jnp.any(jnp.stack([f < 1.0 for f in jax.tree.leaves(factors)]))
+    else:
+      factor = self._factor(norm, self.l2_clip_norm)
+      clipped = jax.tree.map(lambda g: g * factor, query)
+      is_clipped = factor < 1.0
+    clipped = _zero_if_nonfinite(clipped, finite)
+    return ClippedExample(clipped, norm, is_clipped & finite, finite)
+
+
+def flat_clipping(l2_clip_norm: float) -> Clipping:
+  """ḡ = g · min(1, C/‖g‖₂), norm over all leaves concatenated (the default)."""
+  return Clipping(l2_clip_norm)
+
+
+def per_layer_clipping(l2_clip_norm: float, layer_weights: PyTree | None = None) -> Clipping:
+  """Each leaf clipped to C_l, Σ_l C_l² = C² (equal split C/√L by default)."""
+  return Clipping(l2_clip_norm, per_layer=True, layer_weights=layer_weights)
+
+
+def automatic_clipping(
+    l2_clip_norm: float, gamma: float = 0.01, per_layer: bool = False
+) -> Clipping:
+  """ḡ = g · C/(‖g‖₂ + γ) (AUTO-S, paper 1 appendix K); per-layer with C_l if asked."""
+  return Clipping(l2_clip_norm, per_layer=per_layer, automatic=True, gamma=gamma)
+
+
+def as_clipping(clipping: Clipping | float) -> Clipping:
+  """A :class:`Clipping` from itself or from a bare C (flat clipping)."""
+  if isinstance(clipping, Clipping):
+    return clipping
+  return flat_clipping(float(clipping))

@@ -1,0 +1,210 @@
+"""Per-example queries and their clipped sum (DESIGN.md, "One training step").
+
+A *query* maps shared, public inputs (usually the parameters θ_t; for DiSK or
+inner momentum also earlier or extrapolated states) and ONE example to a
+pytree q_i. The standard query is the gradient ∇ℓ(θ_t; x_i), computed for
+every example at once with ``vmap(grad)``. The clipped sum
+
+    S = Σ_i mask_i · clip_C(q_i)
+
+is what the Gaussian release privatises. Every query goes through the same
+clipping and summing code, so a new query cannot change the sensitivity.
+
+The sum can be accumulated in microbatches so memory does not grow with the
+batch size; the result equals the unchunked sum up to float summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+
+PyTree = Any
+QueryFn = Callable[[PyTree, PyTree], PyTree]
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+class ClipStats(NamedTuple):
+  """NON-PRIVATE statistics of a clipped sum, for logging only.
+
+  They depend on which examples were sampled and on their gradients, so they
+  are not covered by the privacy guarantee and must never feed back into
+  training (DESIGN.md, threat model).
+  """
+
+  num_examples: jax.Array  # real (unmasked) rows
+  num_clipped: jax.Array
+  num_nonfinite: jax.Array  # rows whose query was non-finite; they contributed zero
+  norm_sum: jax.Array  # Σ ‖q_i‖ over finite real rows
+  norm_max: jax.Array
+
+  @classmethod
+  def zeros(cls) -> ClipStats:
+    z = jnp.zeros((), jnp.float32)
+    return cls(z, z, z, z, z)
+
+  def __add__(self, other: ClipStats) -> ClipStats:  # type: ignore[override]
+    return ClipStats(
+        self.num_examples + other.num_examples,
+        self.num_clipped + other.num_clipped,
+        self.num_nonfinite + other.num_nonfinite,
+        self.norm_sum + other.norm_sum,
+        jnp.maximum(self.norm_max, other.norm_max),
+    )
+
+  @property
+  def clip_fraction(self) -> jax.Array:
+    return self.num_clipped / jnp.maximum(self.num_examples, 1.0)
+
+  @property
+  def mean_norm(self) -> jax.Array:
+    return self.norm_sum / jnp.maximum(self.num_examples - self.num_nonfinite, 1.0)
+
+
+@jax.tree_util.register_pytree_node_class
+class ClippedSum:
+  """S = Σ_i clip_C(q_i) with its L2 sensitivity C attached as static data.
+
+  The Gaussian release accepts a ``ClippedSum`` only when its sensitivity is
+  the one the release was calibrated for, so an unclipped sum (a plain pytree)
+  can never be mistaken for a clipped one.
+  """
+
+  def __init__(self, total: PyTree, l2_sensitivity: float, stats: ClipStats):
+    self.total = total
+    self.l2_sensitivity = float(l2_sensitivity)
+    self.stats = stats
+
+  def tree_flatten(self):
+    return (self.total, self.stats), (self.l2_sensitivity,)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    total, stats = children
+    return cls(total, aux[0], stats)
+
+  def __add__(self, other: ClippedSum) -> ClippedSum:
+    """Adds sums over DISJOINT example sets of the same release (e.g. overflow chunks)."""
+    if not isinstance(other, ClippedSum) or other.l2_sensitivity != self.l2_sensitivity:
+      raise ValueError("Only clipped sums with the same sensitivity can be added.")
+    return ClippedSum(
+        jax.tree.map(jnp.add, self.total, other.total),
+        self.l2_sensitivity,
+        self.stats + other.stats,
+    )
+
+  def __repr__(self) -> str:
+    return f"ClippedSum(l2_sensitivity={self.l2_sensitivity}, total={self.total!r})"
+
+
+def zeros_clipped_sum(like: PyTree, l2_sensitivity: float) -> ClippedSum:
+  """An empty clipped sum (no examples) shaped like ``like``."""
+  total = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), like)
+  return ClippedSum(total, l2_sensitivity, ClipStats.zeros())
+
+
+def add_batch_axis(example: PyTree) -> PyTree:
+  return jax.tree.map(lambda x: jnp.expand_dims(x, 0), example)
+
+
+def gradient_query(loss_fn: LossFn) -> QueryFn:
+  """The standard query q_i = ∇_θ ℓ(θ; x_i).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``; it is called on a batch of
+      one example (leading axis of size 1).
+  """
+
+  def query(params: PyTree, example: PyTree) -> PyTree:
+    return jax.grad(loss_fn)(params, add_batch_axis(example))
+
+  return query
+
+
+def _batch_size(batch: PyTree) -> int:
+  sizes = {jnp.shape(x)[0] for x in jax.tree.leaves(batch)}
+  if len(sizes) != 1:
+    raise ValueError(f"All batch leaves need the same leading (batch) axis, got sizes {sizes}.")
+  return sizes.pop()
+
+
+def _default_mask(batch_size: int, mask: jax.Array | None) -> jax.Array:
+  if mask is None:
+    return jnp.ones((batch_size,), jnp.bool_)
+  mask = jnp.asarray(mask)
+  if mask.shape != (batch_size,):
+    raise ValueError(f"mask must have shape ({batch_size},), got {mask.shape}.")
+  return mask.astype(jnp.bool_)
+
+
+def clip_and_sum(
+    per_example: PyTree, mask: jax.Array | None, clipping: Clipping | float
+) -> ClippedSum:
+  """Σ_i mask_i · clip_C(q_i) for queries ``per_example`` on a leading batch axis."""
+  clipping = as_clipping(clipping)
+  mask = _default_mask(_batch_size(per_example), mask)
+  clipped = jax.vmap(clipping.clip)(per_example)
+  weight = mask.astype(jnp.float32)
+  total = jax.tree.map(lambda c: jnp.tensordot(weight, c, axes=1), clipped.clipped)
+  real_finite = mask & clipped.is_finite
+  stats = ClipStats(
+      num_examples=jnp.sum(weight),
+      num_clipped=jnp.sum(mask & clipped.is_clipped).astype(jnp.float32),
+      num_nonfinite=jnp.sum(mask & ~clipped.is_finite).astype(jnp.float32),
+      norm_sum=jnp.sum(jnp.where(real_finite, clipped.norm, 0.0)),
+      norm_max=jnp.max(jnp.where(real_finite, clipped.norm, 0.0), initial=0.0),
+  )
+  return ClippedSum(total, clipping.l2_clip_norm, stats)
+
+
+def clipped_sum(
+    query: QueryFn,
+    query_inputs: PyTree,
+    batch: PyTree,
+    mask: jax.Array | None,
+    clipping: Clipping | float,
+    microbatch_size: int | None = None,
+) -> ClippedSum:
+  """Σ_i mask_i · clip_C(query(query_inputs, x_i)) over a (padded) batch.
+
+  Args:
+    query: the per-example query, e.g. :func:`gradient_query`.
+    query_inputs: public inputs shared by all examples (parameters, states).
+    batch: pytree of arrays with a leading batch axis; padding rows are dummies.
+    mask: boolean ``(B,)``; False rows contribute nothing. ``None``: all real.
+    clipping: a :class:`Clipping` or a bare C (flat clipping).
+    microbatch_size: evaluate ``vmap(query)`` on this many examples at a time
+      and accumulate, so memory is flat in B. Must divide B. ``None``: all at once.
+  """
+  batch_size = _batch_size(batch)
+  mask = _default_mask(batch_size, mask)
+  per_example = jax.vmap(query, in_axes=(None, 0))
+
+  if microbatch_size is None or microbatch_size >= batch_size:
+    return clip_and_sum(per_example(query_inputs, batch), mask, clipping)
+
+  if batch_size % microbatch_size:
+    raise ValueError(
+        f"microbatch_size={microbatch_size} must divide the padded batch size {batch_size}; "
+        "choose a capacity that is a multiple of it."
+    )
+  num_chunks = batch_size // microbatch_size
+  chunked = jax.tree.map(
+      lambda x: x.reshape((num_chunks, microbatch_size) + x.shape[1:]), (batch, mask)
+  )
+
+  def accumulate(acc: ClippedSum, chunk):
+    chunk_batch, chunk_mask = chunk
+    return acc + clip_and_sum(per_example(query_inputs, chunk_batch), chunk_mask, clipping), None
+
+  one_example = jax.tree.map(lambda x: x[0], batch)
+  init = zeros_clipped_sum(
+      jax.eval_shape(query, query_inputs, one_example), as_clipping(clipping).l2_clip_norm
+  )
+  total, _ = jax.lax.scan(accumulate, init, chunked)
+  return total

@@ -1,0 +1,6 @@
+"""Tests run on CPU; multi-device tests start their own subprocess."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
