@@ -19,6 +19,8 @@ from dpmuon_jax.privacy.release import (
     GaussianReleaseState,
     PrivateTransformation,
     dp_release,
+    privatize,
 )
+from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
 
 __version__ = "0.1.0"

@@ -194,3 +194,16 @@ def dp_release(
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
   return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
+
+
+def privatize(
+    release: PrivateTransformation, *post_processing: optax.GradientTransformation
+) -> PrivateTransformation:
+  """``optax.chain(release, *post_processing)``, still labelled with the release.
+
+  This is how every ``dp_*`` optimizer is built (DESIGN.md, invariant 7): ONE
+  release over the whole parameter tree, then post-processing only.
+  """
+  if not isinstance(release, PrivateTransformation):
+    raise TypeError("privatize needs the transformation returned by dp_release first.")
+  return PrivateTransformation.wrap(optax.chain(release, *post_processing), release.release)
