@@ -19,9 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KeyLike = jax.Array | int | None
-
-
 class KeyStreams(NamedTuple):
   """Independent PRNG streams derived from one root key by a single split."""
 
@@ -32,10 +29,17 @@ class KeyStreams(NamedTuple):
 
 
 class RootKey(NamedTuple):
-  """A raw uint32 root key and whether it came from a user seed."""
+  """A raw uint32 root key and whether it came from a user seed.
+
+  Pass a ``RootKey`` on (e.g. to the sampler and the release of one run) to
+  share one root drawn from OS entropy while keeping ``seeded=False``.
+  """
 
   key: jax.Array
   seeded: bool
+
+
+KeyLike = RootKey | jax.Array | int | None
 
 
 def _entropy_key() -> jax.Array:
@@ -57,10 +61,13 @@ def root_key(key: KeyLike = None) -> RootKey:
   Args:
     key: ``None`` draws 64 bits from the operating system (``secrets``), the
       default for private training. An ``int`` seed or a JAX key makes the run
-      reproducible and is recorded as ``seeded=True``.
+      reproducible and is recorded as ``seeded=True``. A :class:`RootKey` is
+      returned as it is.
   """
   if key is None:
     return RootKey(_entropy_key(), seeded=False)
+  if isinstance(key, RootKey):
+    return RootKey(_as_raw_key(jnp.asarray(key.key)), bool(key.seeded))
   if isinstance(key, (int, np.integer)):
     if isinstance(key, bool):
       raise TypeError("A seed must be an int, not a bool.")

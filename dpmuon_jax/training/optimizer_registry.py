@@ -1,0 +1,46 @@
+"""The private optimizers the trainer and the CLI know by name, with paper 1's presets.
+
+Learning rates are paper 1's (research notes §5.4; CIFAR-10, WRN-16-4): they
+are where a search should start, not tuned values for every model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optax
+
+from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s
+from dpmuon_jax.privacy.release import PrivateTransformation
+
+
+class OptimizerPreset(NamedTuple):
+  make: Callable[..., PrivateTransformation]
+  learning_rate: float
+  kwargs: dict[str, Any]
+  summary: str
+
+
+OPTIMIZERS: dict[str, OptimizerPreset] = {
+    "dp_sgd": OptimizerPreset(dp_sgd, 0.3, {"momentum": 0.9}, "DP-SGD with heavy-ball momentum"),
+    "dp_adam": OptimizerPreset(dp_adam, 1e-3, {}, "DP-Adam"),
+    "dp_adamw": OptimizerPreset(dp_adamw, 1e-3, {}, "DP-AdamW"),
+    "dp_muon": OptimizerPreset(
+        dp_muon, 0.02, {}, "DP-Muon: Nesterov EMA, Newton–Schulz, aspect scaling (paper 1)"
+    ),
+    "dp_muon_s": OptimizerPreset(
+        dp_muon_s, 0.3, {}, "DP-Muon-S: σ₁-scaled orthogonalised momentum (paper 1)"
+    ),
+}
+
+
+def build(
+    name: str, learning_rate: optax.ScalarOrSchedule, release_kwargs: dict[str, Any]
+) -> PrivateTransformation:
+  """The named private optimizer with the run's release settings."""
+  if name not in OPTIMIZERS:
+    raise ValueError(f"Unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}.")
+  preset = OPTIMIZERS[name]
+  return preset.make(learning_rate, **release_kwargs, **preset.kwargs)

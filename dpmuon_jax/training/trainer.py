@@ -1,0 +1,387 @@
+"""The main job: train a Flax model privately to a target (ε, δ).
+
+Each step (DESIGN.md, "One training step"):
+
+    Poisson(q) indices ─► padded batch + mask ─► augment (own key stream)
+      ─► per-example gradients ─► clipped sum ─► ONE Gaussian release ─► optimizer
+
+The privacy ledger records every release; the run stops, saves and says so
+before a release that would cross the ε budget. Checkpoints (orbax) hold the
+parameters, optimizer state, step, RNG state and the ledger; resuming is
+refused when the privacy configuration changed. Checkpoints hold RNG state and
+are therefore SECRET.
+
+Reported training-set statistics (clip fraction, gradient norms) are
+non-private and only logged; test-set metrics use the public test split.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpmuon_jax.data.augment import augment
+from dpmuon_jax.data.images import ImageDataset, normalize
+from dpmuon_jax.data.loaders import load_dataset
+from dpmuon_jax.models.registry import model_and_loss
+from dpmuon_jax.privacy.accounting import PrivacyLedger
+from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
+from dpmuon_jax.privacy.setup import make_private
+from dpmuon_jax.training import optimizer_registry
+from dpmuon_jax.training.checkpoint import (
+    TrainingCheckpoint,
+    latest_step,
+    restore_checkpoint,
+    restore_metadata,
+    save_checkpoint,
+)
+from dpmuon_jax.training.step import make_private_step
+
+PyTree = Any
+
+
+class TrainingError(ValueError):
+  """A configuration or resume problem, reported to the user in one line."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Settings of one private training run (the ``dpmuon train`` flags).
+
+  ``batch_size`` is the EXPECTED batch size qN of Poisson sampling and the
+  release denominator D. ``learning_rate=None`` takes the optimizer's paper
+  preset. ``seed=None`` draws noise and sampling randomness from OS entropy;
+  a seed makes the run reproducible and is recorded as seeded.
+  """
+
+  model: str = "cnn"
+  dataset: str = "digits"
+  data_dir: str | None = None
+  optimizer: str = "dp_sgd"
+  epsilon: float = 4.0
+  delta: float = 1e-5
+  batch_size: int = 256
+  epochs: float = 10.0
+  learning_rate: float | None = None
+  warmup_fraction: float = 0.05
+  clip: float = 1.0
+  noise_multiplier: float | None = None  # None: calibrate to (epsilon, delta)
+  seed: int | None = None
+  output_dir: str = "runs/dpmuon"
+  resume: bool = False
+  microbatch_size: int | None = None
+  augment: bool = False
+  eval_every: int | None = None  # steps; None: once per epoch
+  checkpoint_every: int | None = None  # steps; None: once per epoch
+  log_clip_stats: bool = False
+  accountant: str = "rdp"
+  max_steps: int | None = None  # stop early (e.g. smoke tests); the ledger stays exact
+  progress: bool = True
+  plot: bool = True
+  model_seed: int = 0  # public initialisation seed
+
+  def privacy_config(self, dataset_size: int) -> dict:
+    """What must not change between a checkpoint and its resumption."""
+    return {
+        "dataset": self.dataset,
+        "dataset_size": dataset_size,
+        "optimizer": self.optimizer,
+        "model": self.model,
+        "batch_size": self.batch_size,
+        "clip": self.clip,
+        "delta": self.delta,
+        "accountant": self.accountant,
+    }
+
+
+def _validate(config: TrainConfig, data: ImageDataset) -> None:
+  if not config.epsilon > 0:
+    raise TrainingError(f"--epsilon must be > 0, got {config.epsilon}.")
+  if not 0 < config.delta < 1:
+    raise TrainingError(f"--delta must be in (0, 1), got {config.delta}.")
+  if not 0 < config.batch_size <= data.num_train:
+    raise TrainingError(
+        f"--batch-size must be in [1, {data.num_train}] (the training set size), "
+        f"got {config.batch_size}."
+    )
+  if not config.epochs > 0:
+    raise TrainingError(f"--epochs must be > 0, got {config.epochs}.")
+  if not config.clip > 0:
+    raise TrainingError(f"--clip must be > 0, got {config.clip}.")
+  if config.optimizer not in optimizer_registry.OPTIMIZERS:
+    raise TrainingError(
+        f"Unknown optimizer {config.optimizer!r}; choose from "
+        f"{', '.join(optimizer_registry.OPTIMIZERS)}."
+    )
+
+
+def _learning_rate_schedule(config: TrainConfig, total_steps: int) -> optax.Schedule:
+  """Cosine decay with linear warm-up over ``warmup_fraction`` of the run (paper 1)."""
+  peak = config.learning_rate or optimizer_registry.OPTIMIZERS[config.optimizer].learning_rate
+  warmup = int(config.warmup_fraction * total_steps)
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1))
+
+
+def _make_batch_fn(data: ImageDataset, use_augment: bool) -> Callable:
+  info = data.info
+  x_train = jnp.asarray(data.x_train)
+  y_train = jnp.asarray(data.y_train)
+
+  @jax.jit
+  def batch_fn(indices, mask, key):
+    """Gathers a padded batch; padding rows are zero dummies, never real examples."""
+    safe = jnp.where(mask, indices, 0)
+    images = jnp.where(mask[:, None, None, None], x_train[safe], 0)
+    labels = jnp.where(mask, y_train[safe], 0)
+    if use_augment:
+      images = augment(key, images, crop_padding=info.crop_padding, hflip=info.hflip)
+    return {"image": normalize(images, info.mean, info.std), "label": labels}
+
+  return batch_fn
+
+
+def _make_eval_fn(apply, data: ImageDataset, eval_batch: int = 500) -> Callable:
+  info = data.info
+
+  @jax.jit
+  def batch_metrics(params, images, labels, mask):
+    logits = apply(params, normalize(images, info.mean, info.std))
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = jnp.argmax(logits, -1) == labels
+    return jnp.sum(jnp.where(mask, loss, 0.0)), jnp.sum(mask & correct)
+
+  def evaluate(params) -> tuple[float, float]:
+    n = data.num_test
+    total_loss, total_correct = 0.0, 0
+    for start in range(0, n, eval_batch):
+      idx = np.arange(start, start + eval_batch)
+      mask = idx < n
+      idx = np.where(mask, idx, 0)
+      loss, correct = batch_metrics(params, data.x_test[idx], data.y_test[idx], mask)
+      total_loss += float(loss)
+      total_correct += int(correct)
+    return total_loss / n, total_correct / n
+
+  return evaluate
+
+
+def _progress(total: int, initial: int, enabled: bool):
+  if not enabled:
+    return None
+  from tqdm.auto import tqdm
+
+  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
+  """Runs (or resumes) one private training run and returns its results.
+
+  Writes ``results.json``, ``history.csv``, ``curves.png`` and checkpoints
+  under ``config.output_dir``.
+  """
+  if data is None:
+    data = load_dataset(config.dataset, config.data_dir)
+  _validate(config, data)
+  os.makedirs(config.output_dir, exist_ok=True)
+  ckpt_dir = os.path.join(config.output_dir, "checkpoints")
+
+  resume_step = latest_step(ckpt_dir) if config.resume else None
+  if config.resume and resume_step is None:
+    raise TrainingError(f"--resume: no checkpoint in {ckpt_dir}.")
+  if not config.resume and latest_step(ckpt_dir) is not None:
+    raise TrainingError(
+        f"{ckpt_dir} already holds a checkpoint: pass --resume or choose another --output-dir."
+    )
+  metadata = restore_metadata(ckpt_dir, resume_step) if resume_step is not None else None
+  if metadata is not None:
+    saved = metadata["privacy_config"]
+    current = config.privacy_config(data.num_train)
+    if saved != current:
+      changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+      raise TrainingError(f"Refusing to resume: the privacy configuration changed {changed}.")
+    root = RootKey(jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"])
+  else:
+    root = root_key(config.seed)
+
+  model, loss_fn = model_and_loss(
+      config.model, data.num_classes, data.image_shape, seed=config.model_seed
+  )
+  setup = make_private(
+      target_epsilon=config.epsilon,
+      target_delta=config.delta,
+      dataset_size=data.num_train,
+      expected_batch_size=config.batch_size,
+      l2_clip_norm=config.clip,
+      epochs=config.epochs,
+      key=root,
+      accountant=config.accountant,
+      noise_multiplier=config.noise_multiplier,
+  )
+  schedule = _learning_rate_schedule(config, setup.steps)
+  optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs)
+  ledger = setup.ledger
+  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
+  batch_fn = _make_batch_fn(data, config.augment)
+  evaluate = _make_eval_fn(model.apply, data)
+  augmentation_key, _ = stream_key(root, "augmentation")
+
+  params, opt_state, start = model.params, optimizer.init(model.params), 0
+  history: list[dict] = []
+  if metadata is not None:
+    restored = restore_checkpoint(
+        ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}), resume_step
+    )
+    params, opt_state, start = restored.params, restored.opt_state, restored.step
+    ledger = PrivacyLedger.from_json(metadata["ledger"])
+    ledger.check_compatible(setup.ledger)
+    history = metadata["history"]
+
+  steps_per_epoch = max(1, round(1 / setup.sampler.sampling_rate))
+  eval_every = config.eval_every or steps_per_epoch
+  checkpoint_every = config.checkpoint_every or steps_per_epoch
+  end = setup.steps if config.max_steps is None else min(setup.steps, config.max_steps)
+
+  def save(step: int) -> None:
+    meta = {
+        "privacy_config": config.privacy_config(data.num_train),
+        "ledger": ledger.to_json(),
+        "root_key": np.asarray(root.key).tolist(),
+        "seeded": bool(root.seeded),
+        "history": history,
+        "config": dataclasses.asdict(config),
+    }
+    save_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, step, meta))
+
+  bar = _progress(end, start, config.progress)
+  stop_reason = "completed" if end == setup.steps else "max_steps"
+  step, started, last_metrics = start, time.perf_counter(), {}
+  for step in range(start, end):
+    if not ledger.can_release(1):
+      stop_reason = "budget"
+      break
+    step_key = jax.random.fold_in(augmentation_key, step)
+    chunks = []
+    for i, chunk in enumerate(setup.sampler.sample(step)):
+      mask = jnp.asarray(chunk.mask)
+      chunks.append((batch_fn(chunk.indices, mask, jax.random.fold_in(step_key, i)), mask))
+    out = step_fn(params, opt_state, chunks)
+    params, opt_state = out.params, out.opt_state
+    ledger.record(setup.sampler, optimizer)
+    done = step + 1
+    record = {}
+    if config.log_clip_stats:
+      record = {
+          "nonprivate_clip_fraction": float(out.stats.clip_fraction),
+          "nonprivate_mean_grad_norm": float(out.stats.mean_norm),
+      }
+    if done % eval_every == 0 or done == end:
+      test_loss, test_acc = evaluate(params)
+      last_metrics = {
+          "step": done,
+          "epoch": done / steps_per_epoch,
+          "epsilon": ledger.epsilon(),
+          "test_loss": test_loss,
+          "test_accuracy": test_acc,
+          "learning_rate": float(schedule(done)),
+          **record,
+      }
+      history.append(last_metrics)
+      if bar is not None:
+        bar.set_postfix(
+            loss=f"{test_loss:.3f}", acc=f"{test_acc:.3f}", eps=f"{last_metrics['epsilon']:.2f}"
+        )
+    if bar is not None:
+      bar.update(1)
+    if done % checkpoint_every == 0 and done != end:
+      save(done)
+  else:
+    step = end
+  if stop_reason == "budget":
+    print(
+        f"Stopped before step {step + 1}: one more release would exceed ε = {config.epsilon} "
+        f"(spent {ledger.epsilon():.4f}). Checkpoint saved."
+    )
+  steps_done = ledger.count
+  if bar is not None:
+    bar.close()
+  save(steps_done)
+  elapsed = time.perf_counter() - started
+  if not history or history[-1]["step"] != steps_done:
+    test_loss, test_acc = evaluate(params)
+    history.append({"step": steps_done, "epoch": steps_done / steps_per_epoch,
+                    "epsilon": ledger.epsilon(), "test_loss": test_loss, "test_accuracy": test_acc})
+  results = _results(config, setup, ledger, history, stop_reason, elapsed, steps_done - start,
+                     steps_per_epoch, root.seeded)
+  _write_outputs(config.output_dir, results, history, config.plot)
+  return results
+
+
+def _results(config, setup, ledger, history, stop_reason, elapsed, steps_run,
+             steps_per_epoch, seeded) -> dict:
+  final = history[-1]
+  return {
+      "final_test_accuracy": final["test_accuracy"],
+      "best_test_accuracy": max(h["test_accuracy"] for h in history),
+      "final_test_loss": final["test_loss"],
+      "epsilon_spent": ledger.epsilon(),
+      "target_epsilon": config.epsilon,
+      "delta": config.delta,
+      "noise_multiplier": setup.noise_multiplier,
+      "sampling_rate": setup.sampler.sampling_rate,
+      "denominator": setup.release.release.denominator,
+      "releases": ledger.count,
+      "planned_steps": setup.steps,
+      "stop_reason": stop_reason,
+      "seeded": bool(seeded),
+      "seconds_per_epoch": elapsed / max(steps_run, 1) * steps_per_epoch if steps_run else None,
+      "guarantee": (
+          "per run, add/remove-one adjacency; hyperparameter search across runs is not covered"
+      ),
+      "config": dataclasses.asdict(config),
+  }
+
+
+def _write_outputs(output_dir: str, results: dict, history: list[dict], plot: bool) -> None:
+  with open(os.path.join(output_dir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  fields = sorted({k for h in history for k in h}, key=lambda k: (k != "step", k))
+  with open(os.path.join(output_dir, "history.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(history)
+  if plot:
+    _plot(output_dir, history)
+
+
+def _plot(output_dir: str, history: list[dict]) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  steps = [h["step"] for h in history]
+  fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+  for ax, key, label in zip(
+      axes,
+      ("test_accuracy", "test_loss", "epsilon"),
+      ("test accuracy", "test loss", "ε spent"),
+  ):
+    ax.plot(steps, [h[key] for h in history], marker="o", ms=3)
+    ax.set_xlabel("step")
+    ax.set_title(label)
+    if key == "epsilon" and any(math.isfinite(h[key]) for h in history):
+      ax.set_ylim(bottom=0)
+  fig.tight_layout()
+  fig.savefig(os.path.join(output_dir, "curves.png"), dpi=110)
+  plt.close(fig)
