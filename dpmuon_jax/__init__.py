@@ -1,12 +1,30 @@
 """dpmuon_jax: differentially private training with spectral optimizers in JAX/Optax."""
 
+from dpmuon_jax.data.augment import augment, augment_image
+from dpmuon_jax.data.embedded import load_embedded
+from dpmuon_jax.data.images import DATASETS, DatasetInfo, ImageDataset, dataset_info, normalize
+from dpmuon_jax.data.loaders import DATASET_NAMES, TFDS_NAMES, load_dataset, load_npz, load_tfds
+from dpmuon_jax.models.common import PureModel, classification_loss, pure_model
+from dpmuon_jax.models.registry import MODEL_NAMES, create_model, model_and_loss
+from dpmuon_jax.models.resnet import ResNet
+from dpmuon_jax.models.vit import VisionTransformer
+from dpmuon_jax.models.wrn import WideResNet
+from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.privacy.accounting import (
+    LedgerConfig,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    gaussian_release_event,
+    make_accountant,
+)
 from dpmuon_jax.privacy.clipping import (
     Clipping,
     automatic_clipping,
     flat_clipping,
     per_layer_clipping,
 )
-from dpmuon_jax.privacy.keys import KeyStreams, root_key, split_streams
+from dpmuon_jax.privacy.keys import KeyStreams, RootKey, root_key, split_streams
 from dpmuon_jax.privacy.query import (
     ClippedSum,
     ClipStats,
@@ -21,6 +39,20 @@ from dpmuon_jax.privacy.release import (
     dp_release,
     privatize,
 )
-from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.privacy.sampling import (
+    PADDING_INDEX,
+    PaddedBatch,
+    PoissonSampler,
+    default_capacity,
+    gather,
+)
+from dpmuon_jax.privacy.setup import PrivateSetup, make_private
+from dpmuon_jax.training.checkpoint import (
+    TrainingCheckpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from dpmuon_jax.training.step import PrivateStep, StepOutput, make_private_step
+from dpmuon_jax.training.trainer import TrainConfig, train
 
 __version__ = "0.1.0"

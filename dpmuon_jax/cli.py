@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="peak learning rate (default: the optimizer's paper preset)")
   train.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C")
   train.add_argument("--noise-multiplier", type=float, default=None,
-                     help="fix σ instead of calibrating it; the run stops when ε would exceed --epsilon")
+                     help="fix σ instead of calibrating it; the run stops before ε "
+                     "would exceed --epsilon")
   train.add_argument("--seed", type=int, default=None,
                      help="makes noise and sampling reproducible (recorded as seeded); "
                      "default: OS entropy")

@@ -6,11 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from stats import std_interval
 
 import dpmuon_jax as dm
 from dpmuon_jax.privacy.keys import split_streams
-
-from stats import std_interval
 
 SIGMA, C, D = 1.3, 0.7, 16.0
 
@@ -150,12 +149,15 @@ def test_private_optimizers_chain_and_apply_under_jit(make):
   chained = dm.privatize(dm.dp_release(C, SIGMA, D, key=4), optax.scale(-1.0))
   for tx in (opt, chained):
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, per_example, mask):
-      updates, state = tx.update(per_example, state, params, mask=mask)
-      return optax.apply_updates(params, updates), state
-
-    new_params, state = step(params, state, per_example, jnp.ones(4, bool))
+    new_params, state = _jitted_step(tx)(params, state, per_example, jnp.ones(4, bool))
     chex.assert_trees_all_equal_shapes_and_dtypes(new_params, params)
     assert not np.allclose(new_params["w"], params["w"])
+
+
+def _jitted_step(tx):
+  @jax.jit
+  def step(params, state, per_example, mask):
+    updates, state = tx.update(per_example, state, params, mask=mask)
+    return optax.apply_updates(params, updates), state
+
+  return step

@@ -1,0 +1,1 @@
+"""Image datasets: TFDS, local .npz files, the embedded digits; augmentation."""

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 class KeyStreams(NamedTuple):
   """Independent PRNG streams derived from one root key by a single split."""
 

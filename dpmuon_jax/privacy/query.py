@@ -12,10 +12,17 @@ clipping and summing code, so a new query cannot change the sensitivity.
 
 The sum can be accumulated in microbatches so memory does not grow with the
 batch size; the result equals the unchunked sum up to float summation order.
+The chunks run in a rolled ``lax.scan`` (compile time and memory independent
+of the number of chunks). On XLA:CPU, convolution kernel gradients inside a
+rolled loop are slow (a generic loop instead of the Eigen kernel, ~10× at
+B = 1024 on the benchmark CNN); models whose convolutions use
+:func:`dpmuon_jax.models.cnn.patch_conv` avoid this, and then the chunked sum is
+as fast as one vmap over the whole batch (``benchmarks/bench_release.py``).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -185,6 +192,10 @@ def clipped_sum(
   mask = _default_mask(batch_size, mask)
   per_example = jax.vmap(query, in_axes=(None, 0))
 
+  if microbatch_size is not None and (
+      isinstance(microbatch_size, bool) or operator.index(microbatch_size) <= 0
+  ):
+    raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}.")
   if microbatch_size is None or microbatch_size >= batch_size:
     return clip_and_sum(per_example(query_inputs, batch), mask, clipping)
 

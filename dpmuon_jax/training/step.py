@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from dpmuon_jax.privacy.clipping import Clipping, as_clipping

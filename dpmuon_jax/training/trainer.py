@@ -239,12 +239,15 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   params, opt_state, start = model.params, optimizer.init(model.params), 0
   history: list[dict] = []
   if metadata is not None:
+    ledger = PrivacyLedger.from_json(metadata["ledger"])
+    try:
+      ledger.check_compatible(setup.ledger)
+    except ValueError as error:
+      raise TrainingError(f"Refusing to resume: {error}") from None
     restored = restore_checkpoint(
         ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}), resume_step
     )
     params, opt_state, start = restored.params, restored.opt_state, restored.step
-    ledger = PrivacyLedger.from_json(metadata["ledger"])
-    ledger.check_compatible(setup.ledger)
     history = metadata["history"]
 
   steps_per_epoch = max(1, round(1 / setup.sampler.sampling_rate))

@@ -1,0 +1,154 @@
+"""One call from a privacy target to a consistent private setup.
+
+The analogue of Opacus' ``make_private_with_epsilon`` and jax_privacy's
+execution plan: from (ε, δ, N, expected batch size, epochs or steps, C) it
+derives
+
+    q = B/N,   T = steps or round(epochs/q),   σ = calibrate(ε, δ, q, T),   D = qN
+
+and builds the sampler, the release and the ledger from these numbers ONCE,
+so q, σ, D and T cannot disagree: the ledger reads them back from the
+sampler and release objects. The sampler and the release share one root key
+(drawn once from OS entropy when ``key=None``) and use its different named
+streams.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optax
+
+from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.keys import KeyLike, root_key
+from dpmuon_jax.privacy.query import ClippedSum, QueryFn, clipped_sum
+from dpmuon_jax.privacy.release import PrivateTransformation, dp_release, privatize
+from dpmuon_jax.privacy.sampling import PoissonSampler
+
+PyTree = Any
+
+
+class PrivateSetup(NamedTuple):
+  """A consistent private training setup (see :func:`make_private`).
+
+  Attributes:
+    sampler: the :class:`~dpmuon_jax.privacy.sampling.PoissonSampler` (q, N).
+    steps: T, the number of releases the budget was calibrated for.
+    noise_multiplier: σ.
+    release: the ``dp_release`` transform (C, σ, D); post-process it with
+      :meth:`private_optimizer`.
+    ledger: a :class:`~dpmuon_jax.privacy.accounting.PrivacyLedger` with the
+      target ε, read from ``sampler`` and ``release``.
+    release_kwargs: ``l2_clip_norm``, ``noise_multiplier``, ``denominator``,
+      ``key`` and ``clipping`` for building a ``dp_*`` optimizer with the same
+      release, e.g. ``dp_sgd(learning_rate, **setup.release_kwargs)``.
+  """
+
+  sampler: PoissonSampler
+  steps: int
+  noise_multiplier: float
+  release: PrivateTransformation
+  ledger: PrivacyLedger
+  release_kwargs: dict[str, Any]
+
+  def private_optimizer(
+      self, *post_processing: optax.GradientTransformation
+  ) -> PrivateTransformation:
+    """``optax.chain(release, *post_processing)``: a complete private optimizer."""
+    return privatize(self.release, *post_processing)
+
+  def clipped_sum(
+      self,
+      query: QueryFn,
+      query_inputs: PyTree,
+      batch: PyTree,
+      mask,
+      microbatch_size: int | None = None,
+  ) -> ClippedSum:
+    """The per-example clipped sum with this setup's clipping (bound C)."""
+    clipping = self.release_kwargs["clipping"]
+    clipping = as_clipping(self.release_kwargs["l2_clip_norm"] if clipping is None else clipping)
+    return clipped_sum(query, query_inputs, batch, mask, clipping, microbatch_size)
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+  return value
+
+
+def make_private(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    dataset_size: int,
+    expected_batch_size: float,
+    l2_clip_norm: float,
+    epochs: float | None = None,
+    steps: int | None = None,
+    key: KeyLike = None,
+    accountant: str = RDP,
+    clipping: Clipping | None = None,
+    capacity: int | None = None,
+    denominator: float | None = None,
+    noise_multiplier: float | None = None,
+) -> PrivateSetup:
+  """From a privacy target to the sampler, release and ledger of one run.
+
+  Args:
+    target_epsilon: ε of the whole run.
+    target_delta: δ (warns when δ ≥ 1/N).
+    dataset_size: N.
+    expected_batch_size: B = qN, so q = B/N; B need not be an integer.
+    l2_clip_norm: C.
+    epochs: training length in epochs (T = round(epochs/q)); give this or
+      ``steps``.
+    steps: T, the number of releases.
+    key: root key or int seed (recorded as seeded); ``None`` draws the root
+      once from OS entropy. Sampler and release use its different streams.
+    accountant: ``"rdp"`` (default) or ``"pld"``.
+    clipping: a clipping rule with bound C (default flat clipping at C).
+    capacity: rows per padded batch (default: see
+      :func:`~dpmuon_jax.privacy.sampling.default_capacity`).
+    denominator: D; default the expected batch size qN.
+    noise_multiplier: σ; ``None`` (default) calibrates it so that ε after T
+      releases is at most ``target_epsilon``. A given σ is used as it is and
+      the ledger still stops at ``target_epsilon``.
+
+  Returns:
+    A :class:`PrivateSetup`.
+  """
+  dataset_size = _positive_int("dataset_size", dataset_size)
+  if not 0 < expected_batch_size <= dataset_size:
+    raise ValueError(
+        f"expected_batch_size must be in (0, dataset_size={dataset_size}], "
+        f"got {expected_batch_size}."
+    )
+  if (epochs is None) == (steps is None):
+    raise ValueError("Give exactly one of epochs and steps.")
+  sampling_rate = expected_batch_size / dataset_size
+  if steps is None:
+    if not epochs > 0:
+      raise ValueError(f"epochs must be positive, got {epochs}.")
+    steps = max(1, round(epochs / sampling_rate))
+  steps = _positive_int("steps", steps)
+  if noise_multiplier is None:
+    noise_multiplier = calibrate_noise_multiplier(
+        target_epsilon, target_delta, sampling_rate, steps, accountant
+    )
+
+  root = root_key(key)
+  sampler = PoissonSampler(dataset_size, sampling_rate, capacity=capacity, key=root)
+  if denominator is None:
+    denominator = sampler.expected_batch_size
+  release_kwargs = {
+      "l2_clip_norm": float(l2_clip_norm),
+      "noise_multiplier": float(noise_multiplier),
+      "denominator": float(denominator),
+      "key": root,
+      "clipping": clipping,
+  }
+  release = dp_release(**release_kwargs)
+  ledger = PrivacyLedger(sampler, release, target_delta, target_epsilon, accountant)
+  return PrivateSetup(sampler, steps, float(noise_multiplier), release, ledger, release_kwargs)

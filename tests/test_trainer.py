@@ -1,0 +1,86 @@
+"""The trainer: resume bit-for-bit, refusal on a changed privacy setup, budget guard."""
+
+import json
+import os
+
+import chex
+import numpy as np
+import pytest
+
+from dpmuon_jax.data.images import ImageDataset
+from dpmuon_jax.privacy.accounting import compute_epsilon
+from dpmuon_jax.training.checkpoint import TrainingCheckpoint, latest_step, restore_checkpoint
+from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
+
+
+@pytest.fixture(scope="module")
+def tiny_data():
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
+  y = rng.integers(0, 3, size=(80,))
+  return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
+
+
+def _config(tmp_path, name, **kw):
+  base = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
+              batch_size=16, epochs=2, seed=3, output_dir=str(tmp_path / name),
+              progress=False, plot=False, learning_rate=0.1)
+  base.update(kw)
+  return TrainConfig(**base)
+
+
+def _final(directory, data, config):
+  from dpmuon_jax.models.registry import model_and_loss
+  from dpmuon_jax.privacy.setup import make_private
+  from dpmuon_jax.training import optimizer_registry
+
+  model, _ = model_and_loss(config.model, data.num_classes, data.image_shape,
+                            seed=config.model_seed)
+  setup = make_private(target_epsilon=config.epsilon, target_delta=config.delta,
+                       dataset_size=data.num_train, expected_batch_size=config.batch_size,
+                       l2_clip_norm=config.clip, epochs=config.epochs, key=0)
+  opt = optimizer_registry.build(config.optimizer, lambda t: 0.1, setup.release_kwargs)
+  like = TrainingCheckpoint(model.params, opt.init(model.params), 0, {})
+  return restore_checkpoint(os.path.join(directory, "checkpoints"), like)
+
+
+def test_resume_continues_bit_for_bit_and_refuses_changed_privacy(tmp_path, tiny_data):
+  full = _config(tmp_path, "full")
+  results = train(full, tiny_data)
+  assert results["releases"] == results["planned_steps"] == 8
+
+  part = _config(tmp_path, "part", max_steps=3)
+  assert train(part, tiny_data)["releases"] == 3
+  resumed = train(_config(tmp_path, "part", resume=True), tiny_data)
+  assert resumed["releases"] == 8
+
+  a, b = _final(full.output_dir, tiny_data, full), _final(part.output_dir, tiny_data, full)
+  assert a.step == b.step == 8
+  chex.assert_trees_all_equal(a.params, b.params)
+  chex.assert_trees_all_equal(a.opt_state, b.opt_state)
+  assert json.loads(a.metadata["ledger"]) == json.loads(b.metadata["ledger"])
+
+  with pytest.raises(TrainingError, match="Refusing to resume"):
+    train(_config(tmp_path, "part", resume=True, batch_size=8), tiny_data)
+  with pytest.raises(TrainingError, match="Refusing to resume"):
+    train(_config(tmp_path, "part", resume=True, noise_multiplier=2.0), tiny_data)
+  with pytest.raises(TrainingError, match="already holds a checkpoint"):
+    train(_config(tmp_path, "part"), tiny_data)
+
+
+def test_budget_guard_stops_at_the_largest_affordable_step(tmp_path, tiny_data):
+  sigma, q, delta, target = 1.0, 16 / 64, 1e-3, 2.0
+  config = _config(tmp_path, "budget", noise_multiplier=sigma, epsilon=target, epochs=10,
+                   delta=delta)
+  results = train(config, tiny_data)
+  expected = 0
+  while compute_epsilon(sigma, q, expected + 1, delta) <= target:
+    expected += 1
+  assert 0 < expected < 40
+  assert results["stop_reason"] == "budget"
+  assert results["releases"] == expected
+  assert results["epsilon_spent"] <= target
+  # The ledger's count equals the number of noise draws the release made.
+  ckpt = _final(config.output_dir, tiny_data, config)
+  assert int(ckpt.opt_state[0].count) == expected
+  assert latest_step(os.path.join(config.output_dir, "checkpoints")) == expected
