@@ -164,6 +164,9 @@ def _account(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  from absl import logging as absl_logging
+
+  absl_logging.set_verbosity(absl_logging.ERROR)  # TFDS' warnings would precede our one line
   args = _parser().parse_args(argv)
   try:
     return _train(args) if args.command == "train" else _account(args)

@@ -1,0 +1,93 @@
+"""The dpmuon command: the main job runs; bad arguments get one line, no traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dpmuon_jax.cli import main
+
+
+def test_train_on_the_embedded_default_writes_results(tmp_path, capsys):
+  out = tmp_path / "run"
+  code = main(["train", "--max-steps", "3", "--seed", "1", "--batch-size", "64",
+               "--output-dir", str(out), "--no-progress", "--no-plot"])
+  assert code == 0
+  results = json.loads((out / "results.json").read_text())
+  assert results["releases"] == 3 and results["seeded"]
+  assert 0 < results["epsilon_spent"] < results["target_epsilon"]
+  printed = capsys.readouterr().out
+  assert "test accuracy" in printed and "ε =" in printed
+  assert (out / "history.csv").exists()
+
+
+def test_account_sigma_and_epsilon_round_trip(capsys):
+  assert main(["account", "--epsilon", "2", "--delta", "1e-5", "--sampling-rate", "0.01",
+               "--steps", "500"]) == 0
+  sigma = json.loads(capsys.readouterr().out)["sigma"]
+  assert main(["account", "--sigma", str(sigma), "--delta", "1e-5", "--sampling-rate", "0.01",
+               "--steps", "500"]) == 0
+  eps = json.loads(capsys.readouterr().out)["epsilon"]
+  assert 0.98 * 2 <= eps <= 2
+
+
+def test_account_table_across_batch_sizes(capsys):
+  assert main(["account", "--epsilon", "4", "--dataset-size", "50000", "--epochs", "5",
+               "--batch-sizes", "512,4096"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  sigmas = [float(line.split()[-1]) for line in lines[1:]]
+  assert len(sigmas) == 2 and sigmas[1] > sigmas[0]  # σ grows with B at fixed ε, epochs
+
+
+@pytest.fixture
+def bad_npz(tmp_path):
+  path = tmp_path / "bad.npz"
+  np.savez(path, images=np.zeros((2, 4, 4), np.uint8))
+  return str(path)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--epsilon", "0"],
+        ["--epsilon", "-1"],
+        ["--delta", "1"],
+        ["--batch-size", "100000"],
+        ["--dataset", "not_a_dataset"],
+        ["--optimizer", "dp_lion"],
+        ["--dataset", "cifar10", "--data-dir", "/nonexistent/tfds"],
+        ["--dataset", "/nonexistent/file.npz"],
+        ["--dataset", "BAD_NPZ"],
+    ],
+)
+def test_bad_train_arguments_exit_nonzero_with_one_line(args, bad_npz, tmp_path, capsys):
+  args = [bad_npz if a == "BAD_NPZ" else a for a in args]
+  with pytest.raises(SystemExit) if "--optimizer" in args else _no_exit():
+    code = main(["train", "--output-dir", str(tmp_path / "x"), "--no-progress", *args])
+    assert code != 0
+  err = capsys.readouterr().err.strip()
+  assert err and "Traceback" not in err
+  assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+class _no_exit:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def test_bad_arguments_in_a_real_process_print_no_traceback(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "dpmuon_jax.cli", "train", "--epsilon", "-3",
+       "--output-dir", str(tmp_path / "y")],
+      capture_output=True, text=True, env=env, timeout=300,
+  )
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr
+  assert "--epsilon must be > 0" in proc.stderr
