@@ -10,6 +10,7 @@ from dpmuon_jax.models.resnet import ResNet
 from dpmuon_jax.models.vit import VisionTransformer
 from dpmuon_jax.models.wrn import WideResNet
 from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s, fallback_optimizer
 from dpmuon_jax.privacy.accounting import (
     LedgerConfig,
     PrivacyLedger,
@@ -47,6 +48,14 @@ from dpmuon_jax.privacy.sampling import (
     gather,
 )
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
+from dpmuon_jax.spectral.newton_schulz import (
+    DEFAULT_NS_COEFFS,
+    POLAR_EXPRESS,
+    NewtonSchulzSchedule,
+    newton_schulz,
+)
+from dpmuon_jax.spectral.power_iteration import power_iteration
+from dpmuon_jax.spectral.scaling import MatrixView, aspect_factor, matrix_view
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
     restore_checkpoint,
@@ -54,5 +63,14 @@ from dpmuon_jax.training.checkpoint import (
 )
 from dpmuon_jax.training.step import PrivateStep, StepOutput, make_private_step
 from dpmuon_jax.training.trainer import TrainConfig, train
+from dpmuon_jax.transforms.momentum import MuonMomentumState, muon_momentum
+from dpmuon_jax.transforms.muon import (
+    SpectralScaleState,
+    scale_by_muon,
+    scale_by_muon_s,
+    scale_by_orthogonalization,
+    scale_by_spectral_orthogonalization,
+)
+from dpmuon_jax.transforms.routing import muon_labels, partition_muon
 
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ from dpmuon_jax.data.loaders import load_dataset
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
+from dpmuon_jax.privacy.sampling import default_capacity
 from dpmuon_jax.privacy.setup import make_private
 from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import (
@@ -227,6 +228,10 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       key=root,
       accountant=config.accountant,
       noise_multiplier=config.noise_multiplier,
+      # The padded batch must split evenly into microbatches.
+      capacity=default_capacity(
+          data.num_train, config.batch_size / data.num_train, config.microbatch_size or 8
+      ),
   )
   schedule = _learning_rate_schedule(config, setup.steps)
   optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs)

@@ -1,0 +1,150 @@
+"""Prepared accelerator check for the spectral optimizers (issue 3); ≤ 5 minutes on one GPU.
+
+1. Newton–Schulz accuracy on the device, float32 (default and HIGHEST matmul
+   precision; GPUs may use TF32 by default) and bfloat16, against the float64
+   numpy reference U · p^{∘5}(Σ/‖M‖_F) · Vᵀ; plus the device time per call.
+2. DP-Muon / DP-SGD on a WRN-16-4 parameter tree (2.7M parameters):
+   the optimizer update alone (release + post-processing on a clipped sum),
+   and a full private step (per-example gradients, clipping, release, update).
+
+    python benchmarks/gpu_check.py            # accelerator sizes (B = 1024)
+    python benchmarks/gpu_check.py --quick    # CPU-sized smoke run
+
+Prints results; exits non-zero if an accuracy check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpmuon_jax.optimizers import dp_sgd
+from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.privacy.query import ClippedSum, ClipStats
+from dpmuon_jax.spectral.newton_schulz import newton_schulz, newton_schulz_polynomial
+
+# Relative Frobenius error bounds against the float64 reference.
+# bfloat16 rounding (2⁻⁸) is amplified by the polynomial's slope at small singular values.
+TOLERANCES = {"f32-highest": 1e-4, "f32-default": 5e-3, "bf16": 1e-1}
+
+
+def _median_time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def check_newton_schulz(shapes, repeats: int) -> bool:
+  print(f"\n== Newton–Schulz on {jax.devices()[0].device_kind} vs float64 numpy reference")
+  print(f"{'shape':>11} {'variant':>12} {'rel.err':>9} {'max|err|':>9} {'ms':>8}  ok")
+  variants = {
+      "f32-highest": dict(precision=jax.lax.Precision.HIGHEST),
+      "f32-default": dict(),
+      "bf16": dict(dtype=jnp.bfloat16),
+  }
+  ok = True
+  rng = np.random.default_rng(0)
+  for shape in shapes:
+    m = rng.standard_normal(shape)
+    u, s, vt = np.linalg.svd(m, full_matrices=False)
+    ref = (u * newton_schulz_polynomial(s / (np.linalg.norm(m) + 1e-7))) @ vt
+    x = jnp.asarray(m, jnp.float32)
+    for name, kwargs in variants.items():
+      fn = jax.jit(lambda x, kw=kwargs: newton_schulz(x, **kw))
+      out = np.asarray(fn(x), np.float64)
+      rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+      seconds = _median_time(lambda fn=fn, x=x: fn(x), repeats)
+      passed = rel < TOLERANCES[name]
+      ok &= passed
+      print(f"{shape[0]:>5}×{shape[1]:<5} {name:>12} {rel:9.2e} {np.max(np.abs(out - ref)):9.2e} "
+            f"{1e3 * seconds:8.3f}  {'OK' if passed else 'FAIL'}")
+  return ok
+
+
+def _optimizers(batch_size: int) -> dict:
+  return {
+      "DP-SGD": dp_sgd(0.3, 1.0, 1.0, float(batch_size), momentum=0.9),
+      "DP-Muon": dp_muon(0.02, 1.0, 1.0, float(batch_size)),
+  }
+
+
+def check_update_ratio(params, repeats: int) -> None:
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  noise = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+  total = treedef.unflatten(noise)
+  clipped = ClippedSum(total, 1.0, ClipStats.zeros())
+  times = {}
+  for name, opt in _optimizers(1024).items():
+    update, state = jax.jit(opt.update), opt.init(params)
+    times[name] = _median_time(lambda u=update, s=state: u(clipped, s, params), repeats)
+  n = sum(x.size for x in leaves)
+  print(f"\n== Optimizer update on a WRN-16-4 tree ({n} parameters): release + post-processing")
+  print(f"DP-SGD {1e3 * times['DP-SGD']:.3f} ms   DP-Muon {1e3 * times['DP-Muon']:.3f} ms   "
+        f"ratio {times['DP-Muon'] / times['DP-SGD']:.3f}")
+
+
+def check_step_ratio(model_name, batch_size: int, microbatch: int, repeats: int) -> None:
+  from dpmuon_jax.models.registry import model_and_loss
+  from dpmuon_jax.training.step import make_private_step
+
+  model, loss_fn = model_and_loss(model_name, 10, (32, 32, 3), seed=0)
+  rng = np.random.default_rng(0)
+  batch = {
+      "image": jnp.asarray(rng.standard_normal((batch_size, 32, 32, 3)), jnp.float32),
+      "label": jnp.asarray(rng.integers(0, 10, batch_size), jnp.int32),
+  }
+  mask = jnp.ones(batch_size, bool)
+  times = {}
+  for name, opt in _optimizers(batch_size).items():
+    step = make_private_step(opt, loss_fn, microbatch_size=microbatch)
+    state, overflow = opt.init(model.params), step.empty_overflow(model.params)
+    start = time.perf_counter()
+    jax.block_until_ready(step.step(model.params, state, batch, mask, overflow))
+    compile_s = time.perf_counter() - start
+    times[name] = _median_time(
+        lambda s=step, st=state, o=overflow: s.step(model.params, st, batch, mask, o), repeats
+    )
+    print(f"  {name}: first call (compile + run) {compile_s:.1f} s")
+  print(f"== Full private step, {model_name}, B = {batch_size} (microbatch {microbatch})")
+  print(f"DP-SGD {1e3 * times['DP-SGD']:.1f} ms   DP-Muon {1e3 * times['DP-Muon']:.1f} ms   "
+        f"ratio {times['DP-Muon'] / times['DP-SGD']:.3f}")
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="reduced sizes for a CPU smoke run")
+  parser.add_argument("--skip-step", action="store_true", help="skip the full private step")
+  args = parser.parse_args()
+  start = time.perf_counter()
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+  if args.quick:
+    shapes, repeats, step_args = [(256, 256), (576, 64)], 5, ("cnn", 64, 32, 3)
+  else:
+    shapes, repeats = [(576, 64), (1024, 1024), (4096, 1024), (4096, 4096)], 20
+    step_args = ("wrn16_4", 1024, 256, 5)
+  ok = check_newton_schulz(shapes, repeats)
+
+  from dpmuon_jax.models.common import pure_model
+  from dpmuon_jax.models.registry import create_model
+
+  wrn_params = pure_model(create_model("wrn16_4", 10, (32, 32, 3), seed=0)).params
+  check_update_ratio(wrn_params, repeats)
+  if not args.skip_step:
+    check_step_ratio(*step_args)
+  print(f"\nwall time {time.perf_counter() - start:.1f} s; accuracy {'OK' if ok else 'FAILED'}")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

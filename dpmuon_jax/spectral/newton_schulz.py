@@ -1,0 +1,158 @@
+"""Quintic Newton–Schulz orthogonalisation (paper 1, §Method; DESIGN.md "The optimizers").
+
+    X₀ = M / (s·‖M‖_F + ε),    X ← a X + b (X Xᵀ) X + c (X Xᵀ)² X    (K times)
+
+Each step applies the odd polynomial p(x) = a x + b x³ + c x⁵ to every
+singular value of X and keeps the singular vectors, so
+
+    NS_K(M) = U · p_K ∘ … ∘ p_1(Σ / (s·‖M‖_F + ε)) · Vᵀ    for M = U Σ Vᵀ.
+
+The iteration runs on the orientation whose Gram matrix X Xᵀ is the smaller
+one (rows ≤ cols); since NS(Mᵀ) = NS(M)ᵀ this does not change the result.
+The default (a, b, c) = (3.4445, −4.7750, 2.0315) (Keller Jordan's Muon, used by
+paper 1) maps singular values in [1e-3, 1] into about [0.47, 1.20] after five
+steps: the output is U S′ Vᵀ, not exactly U Vᵀ (research notes §5.3).
+Paper 1 prints the last term as "c X (XXᵀ)²", which is ill-typed for
+non-square X; c (XXᵀ)² X is the intended form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Coeffs = tuple[float, float, float]
+
+DEFAULT_NS_COEFFS: Coeffs = (3.4445, -4.7750, 2.0315)
+
+
+class NewtonSchulzSchedule(NamedTuple):
+  """A per-step coefficient schedule with its pre-scaling safety factor s.
+
+  Attributes:
+    coeffs: one (a, b, c) triple per step.
+    safety: s in X₀ = M / (s·‖M‖_F + ε); s > 1 keeps every singular value of
+      X₀ strictly below 1, which schedules tuned to [0, 1] need in low precision.
+  """
+
+  coeffs: tuple[Coeffs, ...]
+  safety: float = 1.0
+
+
+# Polar Express (Amsel et al. 2025, arXiv 2505.16932), the coefficients of
+# modded-nanogpt / nanochat: num_iters=5, safety_factor=2e-2, cushion=2, with
+# the pre-scaling X₀ = X / (1.02·‖X‖_F + ε) (research notes §5.3).
+POLAR_EXPRESS = NewtonSchulzSchedule(
+    coeffs=(
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ),
+    safety=1.02,
+)
+
+CoeffsLike = Coeffs | Sequence[Coeffs] | NewtonSchulzSchedule
+
+
+def coefficient_schedule(coeffs: CoeffsLike, steps: int) -> tuple[tuple[Coeffs, ...], float]:
+  """The (steps, 3) schedule and safety factor that :func:`newton_schulz` runs.
+
+  A single triple is used at every step. A per-step schedule of K rows uses its
+  first ``steps`` rows; if ``steps`` > K the last row is repeated.
+  """
+  safety = 1.0
+  if isinstance(coeffs, NewtonSchulzSchedule):
+    coeffs, safety = coeffs.coeffs, coeffs.safety
+  table = np.asarray(coeffs, dtype=np.float64)
+  if table.ndim == 1:
+    table = table[None, :]
+  if table.ndim != 2 or table.shape[-1] != 3 or table.shape[0] == 0:
+    raise ValueError(f"coeffs must have shape (3,) or (K, 3), got {table.shape}.")
+  if steps < 0:
+    raise ValueError(f"steps must be >= 0, got {steps}.")
+  rows = [tuple(float(v) for v in table[min(k, len(table) - 1)]) for k in range(steps)]
+  return tuple(rows), float(safety)
+
+
+def _ns_matrix(
+    x: jax.Array,
+    schedule: tuple[Coeffs, ...],
+    safety: float,
+    eps: float,
+    dtype: jnp.dtype,
+    precision: jax.lax.PrecisionLike,
+) -> jax.Array:
+  """NS on one 2-D matrix, iterating on the wide orientation."""
+  transposed = x.shape[0] > x.shape[1]
+  if transposed:
+    x = x.T
+  norm = jnp.linalg.norm(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+  x = (x / (safety * norm + eps)).astype(dtype)
+  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
+  for a, b, c in schedule:
+    gram = mm(x, x.T)
+    poly = b * gram + c * mm(gram, gram)
+    x = a * x + mm(poly, x)
+  return x.T if transposed else x
+
+
+def newton_schulz(
+    x: jax.Array,
+    steps: int = 5,
+    coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
+    eps: float = 1e-7,
+    dtype: jnp.dtype | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+  """Approximate polar factor of ``x`` by K quintic Newton–Schulz steps.
+
+  Args:
+    x: an array of shape (..., m, n); leading axes are independent matrices
+      (mapped with ``vmap``).
+    steps: K, the number of steps.
+    coeffs: one (a, b, c) triple, a (K, 3) per-step schedule, or a
+      :class:`NewtonSchulzSchedule` such as :data:`POLAR_EXPRESS`.
+    eps: ε in X₀ = M / (s·‖M‖_F + ε) (Keller Jordan: 1e-7).
+    dtype: compute dtype of the iteration. ``None``: at least float32 (float64
+      inputs stay float64). ``jnp.bfloat16`` is the usual choice on GPU/TPU.
+      The Frobenius norm is always taken in at least float32.
+    precision: matmul precision, e.g. ``jax.lax.Precision.HIGHEST`` for true
+      float32 matmuls on TPU.
+
+  Returns:
+    NS_K(x), same shape and dtype as ``x``.
+  """
+  x = jnp.asarray(x)
+  if x.ndim < 2:
+    raise ValueError(f"newton_schulz needs an array of rank >= 2, got shape {x.shape}.")
+  schedule, safety = coefficient_schedule(coeffs, steps)
+  compute_dtype = jnp.promote_types(x.dtype, jnp.float32) if dtype is None else jnp.dtype(dtype)
+  fn = lambda m: _ns_matrix(m, schedule, safety, eps, compute_dtype, precision)
+  batch_shape, matrix_shape = x.shape[:-2], x.shape[-2:]
+  if batch_shape:
+    flat = x.reshape((math.prod(batch_shape),) + matrix_shape)
+    out = jax.vmap(fn)(flat).reshape(x.shape)
+  else:
+    out = fn(x)
+  return out.astype(x.dtype)
+
+
+def newton_schulz_polynomial(s: jax.Array | np.ndarray, steps: int = 5,
+                             coeffs: CoeffsLike = DEFAULT_NS_COEFFS) -> np.ndarray:
+  """p_K ∘ … ∘ p_1(s) for scalar singular values s (already normalised), in float64.
+
+  The exact action of :func:`newton_schulz` on the normalised spectrum; used by
+  tests and diagnostics.
+  """
+  schedule, _ = coefficient_schedule(coeffs, steps)
+  s = np.asarray(s, np.float64)
+  for a, b, c in schedule:
+    s = a * s + b * s**3 + c * s**5
+  return s
