@@ -27,8 +27,10 @@ from dpmuon_jax.privacy.clipping import (
 )
 from dpmuon_jax.privacy.keys import KeyStreams, RootKey, root_key, split_streams
 from dpmuon_jax.privacy.query import (
+    GRADIENT_QUERY,
     ClippedSum,
     ClipStats,
+    QuerySpec,
     clip_and_sum,
     clipped_sum,
     gradient_query,

@@ -133,6 +133,34 @@ def gradient_query(loss_fn: LossFn) -> QueryFn:
   return query
 
 
+class QuerySpec(NamedTuple):
+  """Which per-example query a private optimizer releases, and its public inputs.
+
+  Attributes:
+    make_query: ``loss_fn -> query``, where ``query(inputs, example)`` returns
+      one example's (unclipped) query.
+    inputs: ``(params, opt_state) -> inputs``. The inputs may only depend on
+      the parameters and the optimizer's post-processing state (both functions
+      of earlier releases and public settings), never on the noise stream.
+
+  The standard query is :data:`GRADIENT_QUERY`; DiSK and inner momentum
+  evaluate gradients at other (earlier or extrapolated) parameter states.
+  Whatever the query, each example contributes ONE clipped vector.
+  """
+
+  make_query: Callable[[LossFn], QueryFn]
+  inputs: Callable[[PyTree, Any], PyTree]
+
+
+def _current_params(params: PyTree, opt_state: Any) -> PyTree:
+  del opt_state
+  return params
+
+
+GRADIENT_QUERY = QuerySpec(gradient_query, _current_params)
+"""q_i = ∇ℓ(θ_t; x_i), the query of DP-SGD, DP-Adam and DP-Muon."""
+
+
 def _batch_size(batch: PyTree) -> int:
   sizes = {jnp.shape(x)[0] for x in jax.tree.leaves(batch)}
   if len(sizes) != 1:

@@ -26,7 +26,7 @@ import optax
 
 from dpmuon_jax.privacy.clipping import Clipping, as_clipping
 from dpmuon_jax.privacy.keys import KeyLike, stream_key
-from dpmuon_jax.privacy.query import ClippedSum, clip_and_sum
+from dpmuon_jax.privacy.query import GRADIENT_QUERY, ClippedSum, QuerySpec, clip_and_sum
 
 PyTree = Any
 
@@ -71,17 +71,24 @@ class PrivateTransformation(optax.GradientTransformationExtraArgs):
   """A ``GradientTransformationExtraArgs`` that contains the Gaussian release.
 
   Its ``release`` attribute holds the :class:`GaussianReleaseSpec` so the
-  ledger reads σ, C and D from the object that actually adds the noise.
+  ledger reads σ, C and D from the object that actually adds the noise; its
+  ``query`` attribute (a :class:`~dpmuon_jax.privacy.query.QuerySpec`) says
+  which per-example query the release privatises (default: the gradient).
   """
 
   release: GaussianReleaseSpec
+  query: QuerySpec
 
   @classmethod
   def wrap(
-      cls, transform: optax.GradientTransformation, release: GaussianReleaseSpec
+      cls,
+      transform: optax.GradientTransformation,
+      release: GaussianReleaseSpec,
+      query: QuerySpec = GRADIENT_QUERY,
   ) -> PrivateTransformation:
     out = cls(transform.init, transform.update)
     out.release = release
+    out.query = query
     return out
 
 
@@ -197,13 +204,19 @@ def dp_release(
 
 
 def privatize(
-    release: PrivateTransformation, *post_processing: optax.GradientTransformation
+    release: PrivateTransformation,
+    *post_processing: optax.GradientTransformation,
+    query: QuerySpec = GRADIENT_QUERY,
 ) -> PrivateTransformation:
   """``optax.chain(release, *post_processing)``, still labelled with the release.
 
   This is how every ``dp_*`` optimizer is built (DESIGN.md, invariant 7): ONE
   release over the whole parameter tree, then post-processing only.
+  ``query`` names the per-example query the release is fed with (DiSK and
+  inner momentum change it; their inputs come from the post-processing state).
   """
   if not isinstance(release, PrivateTransformation):
     raise TypeError("privatize needs the transformation returned by dp_release first.")
-  return PrivateTransformation.wrap(optax.chain(release, *post_processing), release.release)
+  return PrivateTransformation.wrap(
+      optax.chain(release, *post_processing), release.release, query
+  )

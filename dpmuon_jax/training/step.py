@@ -19,12 +19,12 @@ import optax
 
 from dpmuon_jax.privacy.clipping import Clipping, as_clipping
 from dpmuon_jax.privacy.query import (
+    GRADIENT_QUERY,
     ClippedSum,
     ClipStats,
     LossFn,
     QueryFn,
     clipped_sum,
-    gradient_query,
     zeros_clipped_sum,
 )
 from dpmuon_jax.privacy.release import PrivateTransformation
@@ -44,12 +44,13 @@ class PrivateStep(NamedTuple):
   Attributes:
     step: jitted; ``overflow`` is a :class:`ClippedSum` of extra chunks (use
       :attr:`empty_overflow` when there are none).
-    clipped_sum: jitted ``(params, batch, mask) -> ClippedSum`` for one chunk.
+    clipped_sum: jitted ``(params, opt_state, batch, mask) -> ClippedSum`` for
+      one chunk.
     empty_overflow: ``(params) -> ClippedSum`` of zeros.
   """
 
   step: Callable[..., StepOutput]
-  clipped_sum: Callable[[PyTree, PyTree, jax.Array], ClippedSum]
+  clipped_sum: Callable[[PyTree, optax.OptState, PyTree, jax.Array], ClippedSum]
   empty_overflow: Callable[[PyTree], ClippedSum]
 
   def __call__(
@@ -59,7 +60,7 @@ class PrivateStep(NamedTuple):
     (batch, mask), *extra = chunks
     overflow = self.empty_overflow(params)
     for extra_batch, extra_mask in extra:
-      overflow = overflow + self.clipped_sum(params, extra_batch, extra_mask)
+      overflow = overflow + self.clipped_sum(params, opt_state, extra_batch, extra_mask)
     return self.step(params, opt_state, batch, mask, overflow)
 
 
@@ -75,9 +76,11 @@ def make_private_step(
 
   Args:
     optimizer: a complete private optimizer (contains the release).
-    loss_fn: ``loss_fn(params, batch) -> scalar``; the query is its per-example
-      gradient. Give either this or ``query``.
-    query: a per-example query ``query(params, example) -> pytree``.
+    loss_fn: ``loss_fn(params, batch) -> scalar``; the optimizer's query
+      (``optimizer.query``: the gradient, or DiSK's / inner momentum's
+      combination) is built from it. Give either this or ``query``.
+    query: a per-example query ``query(params, example) -> pytree`` used
+      instead of the optimizer's (its inputs are the current parameters).
     clipping: defaults to flat clipping at the release's C.
     microbatch_size: accumulate the clipped sum in chunks of this size.
   """
@@ -85,16 +88,21 @@ def make_private_step(
     raise TypeError("make_private_step needs a private optimizer (a dp_* transformation).")
   if (loss_fn is None) == (query is None):
     raise ValueError("Give exactly one of loss_fn and query.")
-  query = gradient_query(loss_fn) if query is None else query
+  if query is None:
+    spec = optimizer.query
+    query = spec.make_query(loss_fn)
+  else:
+    spec = GRADIENT_QUERY
   clipping = as_clipping(optimizer.release.l2_clip_norm if clipping is None else clipping)
   if clipping.l2_clip_norm != optimizer.release.l2_clip_norm:
     raise ValueError("The clipping bound must equal the release's l2_clip_norm.")
 
-  def chunk_sum(params, batch, mask) -> ClippedSum:
-    return clipped_sum(query, params, batch, mask, clipping, microbatch_size)
+  def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
+    inputs = spec.inputs(params, opt_state)
+    return clipped_sum(query, inputs, batch, mask, clipping, microbatch_size)
 
   def step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
-    total = chunk_sum(params, batch, mask) + overflow
+    total = chunk_sum(params, opt_state, batch, mask) + overflow
     updates, opt_state = optimizer.update(total, opt_state, params)
     return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
 
