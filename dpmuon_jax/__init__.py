@@ -51,14 +51,63 @@ from dpmuon_jax.privacy.sampling import (
     gather,
 )
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
+from dpmuon_jax.spectral.diagnostics import (
+    DP_MUON_BUFFER,
+    NO_MOMENTUM,
+    BufferSpec,
+    LayerDiagnostics,
+    PrivacyBudget,
+    Spectrum,
+    buffer_noise_factor,
+    format_report,
+    noise_edge,
+    noise_operator_norm,
+    nonprivate_layer_report,
+    nonprivate_mean_clipped_gradient,
+    plot_spectrum,
+    recovery_threshold_batch_size,
+    spectrum_summary,
+    threshold_batch_size_at_fixed_sigma,
+)
+from dpmuon_jax.spectral.diagnostics import snr as spectral_snr
 from dpmuon_jax.spectral.newton_schulz import (
     DEFAULT_NS_COEFFS,
     POLAR_EXPRESS,
     NewtonSchulzSchedule,
     newton_schulz,
 )
+from dpmuon_jax.spectral.polar_metrics import (
+    ClippingResidual,
+    PairedReduction,
+    ProtocolCheckpoint,
+    ProtocolResult,
+    ProtocolRow,
+    clipping_factors,
+    clipping_residual,
+    cosine_error,
+    envelope_factor,
+    history_weights,
+    nonprivate_im_protocol,
+    polar,
+    polar_error,
+    variance_ratio,
+    weighted_combination,
+)
 from dpmuon_jax.spectral.power_iteration import power_iteration
 from dpmuon_jax.spectral.scaling import MatrixView, aspect_factor, matrix_view
+from dpmuon_jax.spectral.shrinkage import (
+    ShrinkageState,
+    estimate_noise_std,
+    frobenius_shrinker,
+    marchenko_pastur_density,
+    marchenko_pastur_median,
+    optimal_hard_threshold,
+    optimal_hard_threshold_coef,
+    scale_by_singular_value_shrinkage,
+    shrink_singular_values,
+    spiked_singular_value,
+    unknown_noise_threshold_coef,
+)
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
     restore_checkpoint,
@@ -75,5 +124,10 @@ from dpmuon_jax.transforms.muon import (
     scale_by_spectral_orthogonalization,
 )
 from dpmuon_jax.transforms.routing import muon_labels, partition_muon
+from dpmuon_jax.transforms.selective import (
+    SelectiveState,
+    orthogonalization_test,
+    selective_orthogonalization,
+)
 
 __version__ = "0.1.0"
