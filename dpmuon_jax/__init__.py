@@ -11,6 +11,12 @@ from dpmuon_jax.models.resnet import ResNet
 from dpmuon_jax.models.vit import VisionTransformer
 from dpmuon_jax.models.wrn import WideResNet
 from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.optimizers_filters import (
+    dp_disk_muon,
+    dp_disk_sgd,
+    dp_doppler_muon,
+    dp_doppler_sgd,
+)
 from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s, fallback_optimizer
 from dpmuon_jax.privacy.accounting import (
     LedgerConfig,
@@ -25,6 +31,13 @@ from dpmuon_jax.privacy.clipping import (
     automatic_clipping,
     flat_clipping,
     per_layer_clipping,
+)
+from dpmuon_jax.privacy.disk_query import (
+    DISK_PRESETS,
+    DiskPreset,
+    disk_query,
+    disk_query_spec,
+    disk_weight,
 )
 from dpmuon_jax.privacy.keys import KeyStreams, RootKey, root_key, split_streams
 from dpmuon_jax.privacy.query import (
@@ -115,6 +128,16 @@ from dpmuon_jax.training.checkpoint import (
 )
 from dpmuon_jax.training.step import PrivateStep, StepOutput, make_private_step
 from dpmuon_jax.training.trainer import TrainConfig, train
+from dpmuon_jax.transforms.filters import (
+    DOPPLER_PRESETS,
+    AppliedUpdateState,
+    KalmanFilterState,
+    LowPassCoefficients,
+    LowPassFilterState,
+    kalman_filter,
+    low_pass_filter,
+    record_applied_update,
+)
 from dpmuon_jax.transforms.momentum import MuonMomentumState, muon_momentum
 from dpmuon_jax.transforms.muon import (
     SpectralScaleState,

@@ -12,6 +12,12 @@ from typing import Any, NamedTuple
 import optax
 
 from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.optimizers_filters import (
+    dp_disk_muon,
+    dp_disk_sgd,
+    dp_doppler_muon,
+    dp_doppler_sgd,
+)
 from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s
 from dpmuon_jax.privacy.release import PrivateTransformation
 
@@ -32,6 +38,21 @@ OPTIMIZERS: dict[str, OptimizerPreset] = {
     ),
     "dp_muon_s": OptimizerPreset(
         dp_muon_s, 0.3, {}, "DP-Muon-S: σ₁-scaled orthogonalised momentum (paper 1)"
+    ),
+    "dp_disk_sgd": OptimizerPreset(
+        dp_disk_sgd, 0.01, {"kappa": 1.5, "gamma": -1.0},
+        "DiSK-SGD: Kalman κ=1.5, γ=−1 (paper 1; γ inferred from the DiSK code)",
+    ),
+    "dp_doppler_sgd": OptimizerPreset(
+        dp_doppler_sgd, 3.0, {}, "DOPPLER-SGD: bias-corrected EMA(0.9) low-pass (paper 1)"
+    ),
+    "dp_disk_muon": OptimizerPreset(
+        dp_disk_muon, 0.02, {"kappa": 1.5, "gamma": -1.0},
+        "DiSK-Muon: Kalman filter feeding DP-Muon (paper 1; lr not printed, DP-Muon's)",
+    ),
+    "dp_doppler_muon": OptimizerPreset(
+        dp_doppler_muon, 0.02, {},
+        "DOPPLER-Muon: EMA(0.9) replacing Muon's momentum, NS₅ (paper 1)",
     ),
 }
 
