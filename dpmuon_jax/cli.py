@@ -7,6 +7,7 @@
     dpmuon account --sigma 1.1 --delta 1e-5 --sampling-rate 0.02 --steps 2500
     dpmuon account --epsilon 4 --dataset-size 50000 --epochs 50 \\
         --batch-sizes 256,512,1024,2048,4096
+    dpmuon audit --seed 1 --noise-scale 1.0      # one-run privacy audit
 """
 
 from __future__ import annotations
@@ -91,9 +92,17 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--log-clip-stats", action="store_true",
                      help="log clip fraction and gradient norms (NON-private statistics)")
   train.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+  train.add_argument("--devices", type=_positive_int, default=None,
+                     help="data-parallel over this many devices (noise added once to the "
+                     "global sum)")
   train.add_argument("--no-progress", dest="progress", action="store_false")
   train.add_argument("--no-plot", dest="plot", action="store_false")
 
+  sub.add_parser(
+      "audit",
+      help="one-run empirical privacy audit (dpmuon audit --help)",
+      add_help=False,
+  )
   account = sub.add_parser(
       "account",
       help="σ from ε, ε from σ, or a table of σ across batch sizes",
@@ -167,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
   from absl import logging as absl_logging
 
   absl_logging.set_verbosity(absl_logging.ERROR)  # TFDS' warnings would precede our one line
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["audit"]:
+    from dpmuon_jax.audit.run_audit import main as audit_main
+
+    return audit_main(argv[1:])
   args = _parser().parse_args(argv)
   try:
     return _train(args) if args.command == "train" else _account(args)

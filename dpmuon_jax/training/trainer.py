@@ -34,10 +34,15 @@ import optax
 from dpmuon_jax.data.augment import augment
 from dpmuon_jax.data.images import ImageDataset, normalize
 from dpmuon_jax.data.loaders import load_dataset
+from dpmuon_jax.distributed.sharded import (
+    data_mesh,
+    make_sharded_private_step,
+    shard_batch,
+    sharded_capacity,
+)
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
-from dpmuon_jax.privacy.sampling import default_capacity
 from dpmuon_jax.privacy.setup import make_private
 from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import (
@@ -91,6 +96,7 @@ class TrainConfig:
   progress: bool = True
   plot: bool = True
   model_seed: int = 0  # public initialisation seed
+  devices: int | None = None  # data-parallel devices; None or 1: one device
 
   def privacy_config(self, dataset_size: int) -> dict:
     """What must not change between a checkpoint and its resumption."""
@@ -215,6 +221,11 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   else:
     root = root_key(config.seed)
 
+  num_devices = config.devices or 1
+  if num_devices > jax.device_count():
+    raise TrainingError(
+        f"--devices {num_devices}: only {jax.device_count()} device(s) are available."
+    )
   model, loss_fn = model_and_loss(
       config.model, data.num_classes, data.image_shape, seed=config.model_seed
   )
@@ -228,15 +239,23 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       key=root,
       accountant=config.accountant,
       noise_multiplier=config.noise_multiplier,
-      # The padded batch must split evenly into microbatches.
-      capacity=default_capacity(
-          data.num_train, config.batch_size / data.num_train, config.microbatch_size or 8
+      # The padded batch must split evenly into devices × microbatches.
+      capacity=sharded_capacity(
+          data.num_train, config.batch_size / data.num_train, num_devices, config.microbatch_size
       ),
   )
   schedule = _learning_rate_schedule(config, setup.steps)
   optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs)
   ledger = setup.ledger
-  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
+  if num_devices > 1:
+    mesh = data_mesh(num_devices)
+    step_fn = make_sharded_private_step(
+        optimizer, loss_fn, mesh, microbatch_size=config.microbatch_size
+    )
+    place = lambda batch, mask: shard_batch(mesh, batch, mask)
+  else:
+    step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
+    place = lambda batch, mask: (batch, mask)
   batch_fn = _make_batch_fn(data, config.augment)
   evaluate = _make_eval_fn(model.apply, data)
   augmentation_key, _ = stream_key(root, "augmentation")
@@ -282,7 +301,7 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
     chunks = []
     for i, chunk in enumerate(setup.sampler.sample(step)):
       mask = jnp.asarray(chunk.mask)
-      chunks.append((batch_fn(chunk.indices, mask, jax.random.fold_in(step_key, i)), mask))
+      chunks.append(place(batch_fn(chunk.indices, mask, jax.random.fold_in(step_key, i)), mask))
     out = step_fn(params, opt_state, chunks)
     params, opt_state = out.params, out.opt_state
     ledger.record(setup.sampler, optimizer)

@@ -1,0 +1,1 @@
+"""Empirical privacy audits: lower bounds ε̂ to check against the accountant's ε."""

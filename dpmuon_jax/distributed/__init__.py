@@ -1,0 +1,1 @@
+"""Data-parallel private training over a device mesh."""

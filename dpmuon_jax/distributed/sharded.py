@@ -1,0 +1,181 @@
+"""Data-parallel private steps over a device mesh (DESIGN.md, "One training step").
+
+    ONE global Poisson draw ─► padded batch (capacity = k·n_devices) ─► shard rows on 'data'
+      ─► per device: Σ_{i ∈ shard} mask_i·clip_C(q_i) ─► psum ─► ONE Gaussian release ─► optimizer
+
+Each device clips and sums its rows of the padded batch; the per-device sums
+are added once (``psum`` over the ``data`` axis), so the release sees
+
+    S = Σ_devices Σ_{i ∈ shard} mask_i·clip_C(q_i) = Σ_i mask_i·clip_C(q_i),
+
+exactly the single-device clipped sum (up to float summation order). The
+release and the optimizer then run replicated: the noise N(0, σ²C² I) is drawn
+ONCE from the release's key ``fold_in(noise_stream, t)``, identically on every
+device, and added to the global sum. (Noise drawn per device and averaged would
+be √n too little, a privacy bug; per-device noise summed would be √n too much.)
+
+Sampling stays one global draw per step (the host-side
+:class:`~dpmuon_jax.privacy.sampling.PoissonSampler`): every sampled index sits
+in exactly one row of the padded batch, and the rows are partitioned among the
+devices, so no example enters a step twice. Padding rows (mask False) may land
+on any device; they contribute zero wherever they are.
+
+Several hosts (tested single-host only): call ``jax.distributed.initialize()``
+on every host, build the mesh over ``jax.devices()`` (all hosts' devices), and
+give every host the SAME root key (e.g. ``--seed`` or a root broadcast from
+host 0). Each host then draws the same Poisson sample (the sampler depends only
+on the root's sampling stream and t), gathers the rows of its own devices'
+shards, and assembles the global batch with
+``jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows)``;
+the release's key is the same replicated value on every host, so every host
+adds the same noise.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.query import (
+    GRADIENT_QUERY,
+    ClippedSum,
+    ClipStats,
+    LossFn,
+    QueryFn,
+    clipped_sum,
+    zeros_clipped_sum,
+)
+from dpmuon_jax.privacy.release import PrivateTransformation
+from dpmuon_jax.privacy.sampling import default_capacity
+from dpmuon_jax.training.step import PrivateStep, StepOutput
+
+PyTree = Any
+
+DATA_AXIS = "data"
+
+
+def data_mesh(num_devices: int | None = None, devices=None) -> Mesh:
+  """A 1-D mesh with axis ``'data'`` over the first ``num_devices`` devices.
+
+  Args:
+    num_devices: how many devices (default: all of ``devices``).
+    devices: the devices to use (default ``jax.devices()``, all hosts').
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  num_devices = len(devices) if num_devices is None else num_devices
+  if not 1 <= num_devices <= len(devices):
+    raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices}.")
+  return Mesh(np.array(devices[:num_devices]), (DATA_AXIS,))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Rows (axis 0) split over the ``'data'`` axis, other axes whole."""
+  return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def sharded_capacity(
+    dataset_size: int, sampling_rate: float, num_devices: int, microbatch_size: int | None = None
+) -> int:
+  """:func:`~dpmuon_jax.privacy.sampling.default_capacity`, a multiple of n_devices·microbatch.
+
+  Every device then holds the same number of rows, which its microbatches divide.
+  """
+  multiple = num_devices * (microbatch_size or 1)
+  return default_capacity(dataset_size, sampling_rate, math.lcm(multiple, 8))
+
+
+def shard_batch(mesh: Mesh, batch: PyTree, mask) -> tuple[PyTree, jax.Array]:
+  """Places a padded batch and its mask with rows split over the devices (single host)."""
+  num_devices = mesh.shape[DATA_AXIS]
+  rows = np.shape(mask)[0]
+  if rows % num_devices:
+    raise ValueError(
+        f"The padded batch has {rows} rows, not a multiple of the {num_devices} devices; "
+        "use sharded_capacity() for the sampler's capacity."
+    )
+  sharding = batch_sharding(mesh)
+  return jax.device_put((batch, jnp.asarray(mask, jnp.bool_)), sharding)
+
+
+def _psum_clipped_sum(local: ClippedSum) -> ClippedSum:
+  """Σ over the 'data' axis of per-device clipped sums (max for ``norm_max``)."""
+  s = local.stats
+  total = jax.lax.psum(local.total, DATA_AXIS)
+  summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), DATA_AXIS)
+  stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, DATA_AXIS))
+  return ClippedSum(total, local.l2_sensitivity, stats)
+
+
+def make_sharded_private_step(
+    optimizer: PrivateTransformation,
+    loss_fn: LossFn | None,
+    mesh: Mesh,
+    *,
+    query: QueryFn | None = None,
+    clipping: Clipping | None = None,
+    microbatch_size: int | None = None,
+) -> PrivateStep:
+  """:func:`~dpmuon_jax.training.step.make_private_step` over a data-parallel mesh.
+
+  Same arguments and :class:`~dpmuon_jax.training.step.PrivateStep` interface;
+  ``mesh`` has a ``'data'`` axis (:func:`data_mesh`). Batches and masks are
+  sharded on their rows (place them with :func:`shard_batch`, or pass host
+  arrays: ``jit`` shards them), parameters and optimizer state are replicated.
+  The padded batch's rows must be a multiple of the device count (and of
+  ``n_devices·microbatch_size``): see :func:`sharded_capacity`.
+  """
+  if not isinstance(optimizer, PrivateTransformation):
+    raise TypeError("make_sharded_private_step needs a private optimizer (a dp_* transformation).")
+  if DATA_AXIS not in mesh.axis_names:
+    raise ValueError(f"The mesh needs a {DATA_AXIS!r} axis, got {mesh.axis_names}.")
+  if (loss_fn is None) == (query is None):
+    raise ValueError("Give exactly one of loss_fn and query.")
+  if query is None:
+    spec = optimizer.query
+    query = spec.make_query(loss_fn)
+  else:
+    spec = GRADIENT_QUERY
+  clipping = as_clipping(optimizer.release.l2_clip_norm if clipping is None else clipping)
+  if clipping.l2_clip_norm != optimizer.release.l2_clip_norm:
+    raise ValueError("The clipping bound must equal the release's l2_clip_norm.")
+
+  def local_sum(inputs, batch, mask) -> ClippedSum:
+    return _psum_clipped_sum(clipped_sum(query, inputs, batch, mask, clipping, microbatch_size))
+
+  sharded_sum = jax.shard_map(
+      local_sum,
+      mesh=mesh,
+      in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS), PartitionSpec(DATA_AXIS)),
+      out_specs=PartitionSpec(),
+      # clipped_sum's microbatch scan starts from a replicated zero carry; the
+      # per-device sums are combined explicitly by the psum above.
+      check_vma=False,
+  )
+
+  def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
+    return sharded_sum(spec.inputs(params, opt_state), batch, mask)
+
+  def step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
+    total = chunk_sum(params, opt_state, batch, mask) + overflow
+    # Replicated from here on: ONE noise draw from the release's key, on the global sum.
+    updates, opt_state = optimizer.update(total, opt_state, params)
+    return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
+
+  def empty_overflow(params) -> ClippedSum:
+    return zeros_clipped_sum(params, clipping.l2_clip_norm)
+
+  out = replicated(mesh)
+  return PrivateStep(
+      jax.jit(step, out_shardings=out), jax.jit(chunk_sum, out_shardings=out), empty_overflow
+  )
