@@ -84,3 +84,19 @@ def test_budget_guard_stops_at_the_largest_affordable_step(tmp_path, tiny_data):
   ckpt = _final(config.output_dir, tiny_data, config)
   assert int(ckpt.opt_state[0].count) == expected
   assert latest_step(os.path.join(config.output_dir, "checkpoints")) == expected
+
+
+def test_nonprivate_clip_logging_leaves_parameters_bit_identical(tmp_path, tiny_data):
+  runs = {}
+  for flag in (False, True):
+    config = _config(tmp_path, f"log{flag}", log_clip_stats=flag, max_steps=2, eval_every=1)
+    train(config, tiny_data)
+    runs[flag] = _final(config.output_dir, tiny_data, config)
+    logged = [k for k in _history(config.output_dir) if "nonprivate" in k]
+    assert bool(logged) == flag
+  chex.assert_trees_all_equal(runs[False].params, runs[True].params)
+
+
+def _history(directory):
+  with open(os.path.join(directory, "history.csv")) as f:
+    return f.readline().strip().split(",")
