@@ -27,7 +27,13 @@ from dpmuon_jax.optimizers_filters import (
     dp_doppler_muon,
     dp_doppler_sgd,
 )
-from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s, fallback_optimizer
+from dpmuon_jax.optimizers_im import dp_adam_bc, dp_muon_bc, dp_muon_im
+from dpmuon_jax.optimizers_muon import (
+    dp_muon,
+    dp_muon_s,
+    fallback_optimizer,
+    routed_post_processing,
+)
 from dpmuon_jax.privacy.accounting import (
     LedgerConfig,
     PrivacyLedger,
@@ -48,6 +54,17 @@ from dpmuon_jax.privacy.disk_query import (
     disk_query,
     disk_query_spec,
     disk_weight,
+)
+from dpmuon_jax.privacy.inner_momentum import (
+    PAPER2_PRESETS,
+    InnerMomentumInputs,
+    InnerMomentumSettings,
+    ParamHistoryState,
+    find_history,
+    inner_momentum_query,
+    inner_momentum_spec,
+    inner_momentum_weights,
+    param_history,
 )
 from dpmuon_jax.privacy.keys import KeyStreams, RootKey, root_key, split_streams
 from dpmuon_jax.privacy.query import (
@@ -138,6 +155,14 @@ from dpmuon_jax.training.checkpoint import (
 )
 from dpmuon_jax.training.step import PrivateStep, StepOutput, make_private_step
 from dpmuon_jax.training.trainer import TrainConfig, train
+from dpmuon_jax.transforms.bias_correction import (
+    KIM_FAN_NS_COEFFS,
+    BiasCorrectionState,
+    ScaleByAdamBCState,
+    buffer_noise_variance,
+    scale_by_adam_bc,
+    scale_by_bias_corrected_orthogonalization,
+)
 from dpmuon_jax.transforms.filters import (
     DOPPLER_PRESETS,
     AppliedUpdateState,

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import optax
 
-from dpmuon_jax.optimizers_muon import _routed
+from dpmuon_jax.optimizers_muon import routed_post_processing
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS, disk_noise_multiplier, disk_query_spec
 from dpmuon_jax.privacy.keys import KeyLike
@@ -227,7 +227,7 @@ def dp_disk_muon(
       composition, beta, nesterov, ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype,
       precision, mu_dtype,
   )
-  routed = _routed(
+  routed = routed_post_processing(
       post, learning_rate, weight_decay, routing, fallback, fallback_learning_rate,
       _fallback_momentum(composition, fallback_momentum), fallback_nesterov,
       fallback_weight_decay,
@@ -283,7 +283,7 @@ def dp_doppler_muon(
       composition, beta, nesterov, ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype,
       precision, mu_dtype,
   )
-  routed = _routed(
+  routed = routed_post_processing(
       post, learning_rate, weight_decay, routing, fallback, fallback_learning_rate,
       _fallback_momentum(composition, fallback_momentum), fallback_nesterov,
       fallback_weight_decay,

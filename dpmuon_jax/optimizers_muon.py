@@ -67,7 +67,7 @@ def fallback_optimizer(
   raise ValueError(f"fallback must be {SGD!r} or {ADAMW!r}, got {kind!r}.")
 
 
-def _routed(
+def routed_post_processing(
     muon_post: optax.GradientTransformation,
     learning_rate: optax.ScalarOrSchedule,
     weight_decay: float,
@@ -78,6 +78,11 @@ def _routed(
     fallback_nesterov: bool,
     fallback_weight_decay: float,
 ) -> optax.GradientTransformationExtraArgs:
+  """Muon group: ``muon_post`` → decoupled weight decay → −η; the rest: the fallback.
+
+  Shared by every Muon-family optimizer (DP-Muon(-S), DiSK/DOPPLER-Muon,
+  DP-Muon-IM/-BC); the release comes before it, over the whole tree.
+  """
   kind = fallback or (ADAMW if routing == "paper2" else SGD)
   if fallback_learning_rate is None:
     if kind == ADAMW:
@@ -163,7 +168,7 @@ def dp_muon(
   post = scale_by_muon(
       beta, nesterov, ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, mu_dtype
   )
-  routed = _routed(
+  routed = routed_post_processing(
       post, learning_rate, weight_decay, routing, fallback, fallback_learning_rate,
       fallback_momentum, fallback_nesterov, fallback_weight_decay,
   )
@@ -210,7 +215,7 @@ def dp_muon_s(
       beta, buffer, power_iterations, exact_svd, ns_steps, ns_coeffs, eps, dimension_numbers,
       ns_dtype, precision, mu_dtype,
   )
-  routed = _routed(
+  routed = routed_post_processing(
       post, learning_rate, weight_decay, routing, fallback, fallback_learning_rate,
       fallback_momentum, fallback_nesterov, fallback_weight_decay,
   )

@@ -24,8 +24,17 @@ OPTIMIZERS = [
     ("dpmuon_jax.optimizers_muon", "dp_muon_s", dict(learning_rate=0.1)),
     ("dpmuon_jax.optimizers_muon", "dp_muon",
      dict(learning_rate=0.05, routing="paper2", fallback_learning_rate=0.05, weight_decay=1e-3)),
+    ("dpmuon_jax.optimizers_filters", "dp_disk_sgd", dict(learning_rate=0.05)),
+    ("dpmuon_jax.optimizers_filters", "dp_doppler_sgd", dict(learning_rate=0.05)),
+    ("dpmuon_jax.optimizers_filters", "dp_disk_muon", dict(learning_rate=0.05)),
+    ("dpmuon_jax.optimizers_filters", "dp_doppler_muon", dict(learning_rate=0.05)),
+    ("dpmuon_jax.optimizers_im", "dp_muon_im", dict(learning_rate=0.05, history=2, decay=0.5)),
+    ("dpmuon_jax.optimizers_im", "dp_muon_bc", dict(learning_rate=0.05)),
+    ("dpmuon_jax.optimizers_im", "dp_adam_bc", dict(learning_rate=0.05)),
 ]
-IDS = ["dp_sgd", "dp_adam", "dp_muon", "dp_muon_s", "dp_muon-paper2"]
+IDS = ["dp_sgd", "dp_adam", "dp_muon", "dp_muon_s", "dp_muon-paper2",
+       "dp_disk_sgd", "dp_doppler_sgd", "dp_disk_muon", "dp_doppler_muon",
+       "dp_muon_im", "dp_muon_bc", "dp_adam_bc"]
 
 C, D, BATCH = 100.0, 32.0, 32
 

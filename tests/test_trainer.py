@@ -9,6 +9,7 @@ import pytest
 
 from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.privacy.accounting import compute_epsilon
+from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import TrainingCheckpoint, latest_step, restore_checkpoint
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 
@@ -100,3 +101,11 @@ def test_nonprivate_clip_logging_leaves_parameters_bit_identical(tmp_path, tiny_
 def _history(directory):
   with open(os.path.join(directory, "history.csv")) as f:
     return f.readline().strip().split(",")
+
+
+@pytest.mark.parametrize("name", list(optimizer_registry.OPTIMIZERS))
+def test_every_registered_optimizer_trains(tmp_path, tiny_data, name):
+  results = train(_config(tmp_path, name, optimizer=name, max_steps=2, learning_rate=None),
+                  tiny_data)
+  assert results["releases"] == 2
+  assert np.isfinite(results["final_test_loss"])

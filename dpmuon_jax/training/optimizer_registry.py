@@ -18,6 +18,7 @@ from dpmuon_jax.optimizers_filters import (
     dp_doppler_muon,
     dp_doppler_sgd,
 )
+from dpmuon_jax.optimizers_im import dp_adam_bc, dp_muon_bc, dp_muon_im
 from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s
 from dpmuon_jax.privacy.release import PrivateTransformation
 
@@ -53,6 +54,17 @@ OPTIMIZERS: dict[str, OptimizerPreset] = {
     "dp_doppler_muon": OptimizerPreset(
         dp_doppler_muon, 0.02, {},
         "DOPPLER-Muon: EMA(0.9) replacing Muon's momentum, NS₅ (paper 1)",
+    ),
+    "dp_muon_im": OptimizerPreset(
+        dp_muon_im, 0.02, {"history": 1, "decay": 0.5},
+        "DP-Muon-IM: inner-momentum query over K past states (paper 2)",
+    ),
+    "dp_muon_bc": OptimizerPreset(
+        dp_muon_bc, 0.02, {},
+        "DP-Muon-BC: heavy-ball DP-Muon, noise-bias-corrected Newton–Schulz (our estimator)",
+    ),
+    "dp_adam_bc": OptimizerPreset(
+        dp_adam_bc, 1e-3, {}, "DP-AdamBC: Adam with the DP-noise variance removed (Tang et al.)"
     ),
 }
 

@@ -1,0 +1,107 @@
+"""Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC on the small CNN.
+
+    python benchmarks/bench_inner_momentum.py            # B = 1024, microbatch 128
+    python benchmarks/bench_inner_momentum.py --quick    # B = 64, microbatch 32
+
+For each optimizer, the whole jitted private step of
+:func:`dpmuon_jax.make_private_step` (query, clipped sum, release,
+post-processing) on :func:`dpmuon_jax.models.cnn.small_cnn` (CIFAR-shaped):
+
+* step time: minimum over interleaved rounds (the cores are shared), and its
+  ratio to DP-Muon's; IM costs K + 1 gradient evaluations per example;
+* memory, in a fresh child process per optimizer: the peak resident set size
+  of one compiled step (Linux VmHWM reset after compilation), XLA's temporary
+  buffers, and the optimizer state (IM keeps K copies of the parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import jax
+
+from dpmuon_jax.models.cnn import small_cnn
+from dpmuon_jax.models.common import classification_loss
+from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
+from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.training.step import make_private_step
+
+CONFIGS = {
+    "DP-Muon": lambda d: dp_muon(0.02, 1.0, 1.0, d, key=0),
+    **{f"DP-Muon-IM K={k}": (lambda d, k=k: dp_muon_im(0.02, 1.0, 1.0, d, key=0, history=k))
+       for k in (0, 1, 2, 4)},
+    "DP-Muon-BC": lambda d: dp_muon_bc(0.02, 1.0, 1.0, d, key=0),
+}
+
+
+def build(name: str, batch_size: int, microbatch: int | None):
+  model = small_cnn(10, 3, key=jax.random.key(0))
+  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  batch = {"image": jax.random.normal(k1, (batch_size, 32, 32, 3)),
+           "label": jax.random.randint(k2, (batch_size,), 0, 10)}
+  mask = jax.random.bernoulli(k3, 0.875, (batch_size,))
+  opt = CONFIGS[name](0.875 * batch_size)
+  step = make_private_step(opt, classification_loss(model.apply), microbatch_size=microbatch)
+  state = opt.init(model.params)
+  args = (model.params, state, batch, mask, step.empty_overflow(model.params))
+  compiled = step.step.lower(*args).compile()
+  out = compiled(*args)  # warm-up; then one step so the IM history is non-trivial
+  args = (out.params, out.opt_state, batch, mask, args[-1])
+  jax.block_until_ready(compiled(*args))
+  return compiled, args
+
+
+def _peak_rss_gib() -> float:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("VmHWM:"))
+
+
+def memory_child(name: str, batch_size: int, microbatch: int) -> None:
+  compiled, args = build(name, batch_size, microbatch or None)
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset VmHWM: measure the step, not compilation
+  jax.block_until_ready(compiled(*args))
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(args[1]) if hasattr(x, "nbytes"))
+  print(json.dumps({"step_peak_rss_gib": _peak_rss_gib(),
+                    "xla_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
+                    "opt_state_mib": state_bytes / 2**20}))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="B = 64, one timing round")
+  parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.memory_child:
+    name, b, mb = args.memory_child
+    memory_child(name, int(b), int(mb))
+    return
+  batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (1024, 128, 3)
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, B = {batch_size}, "
+        f"microbatch {microbatch}, {rounds} rounds")
+  built = {name: build(name, batch_size, microbatch) for name in CONFIGS}
+  times = {name: [] for name in CONFIGS}
+  for _ in range(rounds):
+    for name, (compiled, step_args) in built.items():
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*step_args))
+      times[name].append(time.perf_counter() - start)
+  base = min(times["DP-Muon"])
+  for name in CONFIGS:
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", name, str(batch_size), str(microbatch)],
+        capture_output=True, text=True, check=True,
+    )
+    mem = json.loads(out.stdout.strip().splitlines()[-1])
+    t = min(times[name])
+    print(f"  {name:18s} step {t:7.3f} s ({t / base:4.2f}× DP-Muon)   "
+          f"peak RSS {mem['step_peak_rss_gib']:.3f} GiB   XLA temp {mem['xla_temp_gib']:.3f} GiB"
+          f"   opt state {mem['opt_state_mib']:.2f} MiB")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,190 @@
+"""Paper 2's optimizers: DP-Muon-IM, and the baselines DP-Muon-BC and DP-AdamBC.
+
+    DP-Muon-IM  query  q_i = Σ_k w_k ∇ℓ(θ_{t−k}; x_i)  (inner momentum), then DP-Muon
+    DP-Muon-BC  release, heavy-ball M = βM + G̃, bias-corrected Newton–Schulz
+    DP-AdamBC   release, Adam with the noise variance Φ = (σC/D)² removed from v̂
+
+Each is ONE release over the whole tree followed by post-processing
+(DESIGN.md, invariant 7). DP-Muon-IM changes only the query: its
+``optimizer.query`` (used by :func:`dpmuon_jax.make_private_step`) reads the
+past states from the :func:`~dpmuon_jax.privacy.inner_momentum.param_history`
+transform in its chain; each example still contributes one clipped vector.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from dpmuon_jax.optimizers_muon import routed_post_processing
+from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.inner_momentum import inner_momentum_spec, param_history
+from dpmuon_jax.privacy.keys import KeyLike, root_key
+from dpmuon_jax.privacy.release import ADD_REMOVE, PrivateTransformation, dp_release, privatize
+from dpmuon_jax.spectral.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
+from dpmuon_jax.spectral.scaling import DP_MUON_MAX_ASPECT_RATIO, DimensionNumbers
+from dpmuon_jax.transforms.bias_correction import (
+    KIM_FAN_NS_COEFFS,
+    scale_by_adam_bc,
+    scale_by_bias_corrected_orthogonalization,
+)
+from dpmuon_jax.transforms.momentum import HEAVY_BALL, muon_momentum
+from dpmuon_jax.transforms.muon import scale_by_muon
+from dpmuon_jax.transforms.routing import Routing
+
+
+def dp_muon_im(
+    learning_rate: optax.ScalarOrSchedule,
+    l2_clip_norm: float,
+    noise_multiplier: float,
+    denominator: float,
+    key: KeyLike = None,
+    *,
+    history: int = 1,
+    decay: float = 0.5,
+    fallback_history: int | None = None,
+    fallback_decay: float | None = None,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
+    eps: float = 1e-7,
+    ns_dtype=None,
+    precision=None,
+    dimension_numbers: DimensionNumbers = None,
+    mu_dtype=None,
+    weight_decay: float = 0.0,
+    routing: Routing = "paper1",
+    fallback: str | None = None,
+    fallback_learning_rate: optax.ScalarOrSchedule | None = None,
+    fallback_momentum: float = 0.9,
+    fallback_nesterov: bool = False,
+    fallback_weight_decay: float = 0.0,
+    clipping: Clipping | None = None,
+    neighbouring: str = ADD_REMOVE,
+) -> PrivateTransformation:
+  """DP-Muon-IM (paper 2, §4): inner-momentum query, then DP-Muon's post-processing.
+
+  Query of example i at step t (:mod:`dpmuon_jax.privacy.inner_momentum`)::
+
+      q_i = Σ_{k=0}^{K_t} w_k ∇ℓ(θ_{t−k}; x_i),  w_k = γ^k / Σ_{j≤K_t} γ^j,  K_t = min(K, t)
+
+  clipped as ONE vector at C; the release and its accounting are DP-Muon's.
+  Train it with :func:`dpmuon_jax.make_private_step` (which uses
+  ``optimizer.query``); ``update`` itself takes the clipped sum (or
+  per-example queries) like every ``dp_*`` optimizer. K = 0 in both groups is
+  DP-Muon, bit for bit.
+
+  Args:
+    history, decay: (K, γ) of the Muon group. Default (1, 0.5): paper 2 finds
+      K = 1 within 0.06 validation BLEU of K = 4 in under half the time
+      (§5.3), and γ = 0.5 is the decay of all its E2E presets.
+    fallback_history, fallback_decay: (K′, γ′) of the fallback group;
+      ``None``: the Muon group's. Paper 2's presets:
+      ``**PAPER2_PRESETS[name]._asdict()`` (appendix C), with
+      ``routing="paper2"`` and an AdamW ``fallback_learning_rate`` (ε = 8 on
+      E2E: learning rates 0.002 / 0.0035).
+    Other arguments: as in :func:`dpmuon_jax.dp_muon`.
+
+  Cost: K_max + 1 gradient evaluations per example and K_max stored copies of
+  the parameters (``benchmarks/bench_inner_momentum.py``).
+  """
+  query = inner_momentum_spec(history, decay, fallback_history, fallback_decay, routing)
+  slots = max(history, history if fallback_history is None else fallback_history)
+  post = scale_by_muon(
+      beta, nesterov, ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, mu_dtype
+  )
+  routed = routed_post_processing(
+      post, learning_rate, weight_decay, routing, fallback, fallback_learning_rate,
+      fallback_momentum, fallback_nesterov, fallback_weight_decay,
+  )
+  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
+  return privatize(release, param_history(slots), routed, query=query)
+
+
+def dp_muon_bc(
+    learning_rate: optax.ScalarOrSchedule,
+    l2_clip_norm: float,
+    noise_multiplier: float,
+    denominator: float,
+    key: KeyLike = None,
+    *,
+    beta: float = 0.95,
+    buffer: str = HEAVY_BALL,
+    nesterov: bool = False,
+    num_samples: int = 1,
+    antithetic: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: CoeffsLike = KIM_FAN_NS_COEFFS,
+    eps: float = 1e-7,
+    ns_dtype=None,
+    precision=None,
+    dimension_numbers: DimensionNumbers = None,
+    mu_dtype=None,
+    weight_decay: float = 0.0,
+    routing: Routing = "paper1",
+    fallback: str | None = None,
+    fallback_learning_rate: optax.ScalarOrSchedule | None = None,
+    fallback_momentum: float = 0.9,
+    fallback_nesterov: bool = False,
+    fallback_weight_decay: float = 0.0,
+    clipping: Clipping | None = None,
+    neighbouring: str = ADD_REMOVE,
+) -> PrivateTransformation:
+  """DP-Muon-BC (Kim & Fan 2026; paper 2's baseline), with OUR bias estimator.
+
+  M_t = β M_{t−1} + G̃_t (heavy-ball), then
+  Ĝ = aspect · [2 NS(M_t) − E_Z NS(M_t + s_t Z)] with s_t² = (σC/D)² Σ_{j<t} β^{2j}
+  the exact per-entry noise variance of the buffer after t releases, Z from
+  the post-processing stream of ``key`` (research notes §4a; see
+  :func:`dpmuon_jax.scale_by_bias_corrected_orthogonalization`). Kim & Fan's
+  own estimator, κ, q and β were not available (FLAG F4.1); β = 0.95 makes
+  the buffer DP-Muon's without look-ahead (NS is scale-invariant). Newton–
+  Schulz defaults to Kim & Fan's convergent quintic (1.875, −1.25, 0.375):
+  with Keller Jordan's coefficients the correction does not reduce the bias
+  (see :mod:`dpmuon_jax.transforms.bias_correction`). ``num_samples``,
+  ``antithetic``: Monte-Carlo draws of Z per step. Other arguments as in
+  :func:`dpmuon_jax.dp_muon`.
+  """
+  root = root_key(key)
+  release = dp_release(l2_clip_norm, noise_multiplier, denominator, root, clipping, neighbouring)
+  post = optax.chain(
+      muon_momentum(beta, nesterov, buffer, mu_dtype),
+      scale_by_bias_corrected_orthogonalization(
+          release.release.noise_std, beta, root, buffer, nesterov, num_samples, antithetic,
+          ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision,
+          DP_MUON_MAX_ASPECT_RATIO,
+      ),
+  )
+  routed = routed_post_processing(
+      post, learning_rate, weight_decay, routing, fallback, fallback_learning_rate,
+      fallback_momentum, fallback_nesterov, fallback_weight_decay,
+  )
+  return privatize(release, routed)
+
+
+def dp_adam_bc(
+    learning_rate: optax.ScalarOrSchedule,
+    l2_clip_norm: float,
+    noise_multiplier: float,
+    denominator: float,
+    key: KeyLike = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps_root: float = 1e-8,
+    weight_decay: float = 0.0,
+    clipping: Clipping | None = None,
+    neighbouring: str = ADD_REMOVE,
+) -> PrivateTransformation:
+  """DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024; research notes §4b).
+
+  θ ← θ − η (m̂_t / sqrt(max(v̂_t − Φ, eps_root)) + λθ), Φ = (σC/D)² read from
+  the release (D, not the realised batch size). Defaults are the official
+  code's (β₁ = 0.9, β₂ = 0.999, eps_root = 1e-8; no +eps).
+  """
+  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
+  return privatize(
+      release,
+      scale_by_adam_bc(release.release.noise_std**2, b1, b2, eps_root),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+  )
