@@ -148,6 +148,30 @@ from dpmuon_jax.spectral.shrinkage import (
     spiked_singular_value,
     unknown_noise_threshold_coef,
 )
+from dpmuon_jax.text.data import (
+    EvalGroup,
+    TextDataset,
+    TextPair,
+    download_text_data,
+    encode_pairs,
+    encode_prompts,
+    load_dart,
+    load_e2e,
+    load_text_dataset,
+)
+from dpmuon_jax.text.generate import Generation, beam_search, decode_texts, greedy_decode
+from dpmuon_jax.text.gpt2 import (
+    GPT2,
+    GPT2_SMALL,
+    GPT2_TINY,
+    GPT2Config,
+    gpt2_model,
+    lm_loss,
+    token_nll,
+)
+from dpmuon_jax.text.hf_weights import load_hf_gpt2, save_hf_gpt2
+from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll, write_results
+from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
     restore_checkpoint,
