@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--log-clip-stats", action="store_true",
                      help="log clip fraction and gradient norms (NON-private statistics)")
   train.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+  train.add_argument("--init-weights", default=None,
+                     help="public pretrained weights (flax.serialization msgpack of the params "
+                     "dict) to fine-tune from; default: from scratch")
   train.add_argument("--devices", type=_positive_int, default=None,
                      help="data-parallel over this many devices (noise added once to the "
                      "global sum)")

@@ -97,6 +97,8 @@ class TrainConfig:
   plot: bool = True
   model_seed: int = 0  # public initialisation seed
   devices: int | None = None  # data-parallel devices; None or 1: one device
+  model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"groups": 8}
+  init_weights: str | None = None  # msgpack of a params dict (flax.serialization); None: scratch
 
   def privacy_config(self, dataset_size: int) -> dict:
     """What must not change between a checkpoint and its resumption."""
@@ -105,6 +107,8 @@ class TrainConfig:
         "dataset_size": dataset_size,
         "optimizer": self.optimizer,
         "model": self.model,
+        "model_overrides": self.model_overrides,
+        "init_weights": self.init_weights,
         "batch_size": self.batch_size,
         "clip": self.clip,
         "delta": self.delta,
@@ -183,6 +187,23 @@ def _make_eval_fn(apply, data: ImageDataset, eval_batch: int = 500) -> Callable:
   return evaluate
 
 
+def _initial_params(params: PyTree, path: str | None) -> PyTree:
+  """The model's own initialisation, or public pretrained weights from ``path``."""
+  if path is None:
+    return params
+  from flax import serialization
+
+  try:
+    with open(path, "rb") as f:
+      return serialization.from_bytes(params, f.read())
+  except OSError as error:
+    raise TrainingError(f"--init-weights: cannot read {path}: {error.strerror}.") from None
+  except (ValueError, KeyError, TypeError) as error:
+    raise TrainingError(
+        f"--init-weights: {path} does not match the model's parameters ({error})."
+    ) from None
+
+
 def _progress(total: int, initial: int, enabled: bool):
   if not enabled:
     return None
@@ -227,7 +248,8 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
         f"--devices {num_devices}: only {jax.device_count()} device(s) are available."
     )
   model, loss_fn = model_and_loss(
-      config.model, data.num_classes, data.image_shape, seed=config.model_seed
+      config.model, data.num_classes, data.image_shape, seed=config.model_seed,
+      **config.model_overrides,
   )
   setup = make_private(
       target_epsilon=config.epsilon,
@@ -260,7 +282,8 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   evaluate = _make_eval_fn(model.apply, data)
   augmentation_key, _ = stream_key(root, "augmentation")
 
-  params, opt_state, start = model.params, optimizer.init(model.params), 0
+  initial = _initial_params(model.params, config.init_weights)
+  params, opt_state, start = initial, optimizer.init(initial), 0
   history: list[dict] = []
   if metadata is not None:
     ledger = PrivacyLedger.from_json(metadata["ledger"])
@@ -372,6 +395,10 @@ def _results(config, setup, ledger, history, stop_reason, elapsed, steps_run,
       "stop_reason": stop_reason,
       "seeded": bool(seeded),
       "seconds_per_epoch": elapsed / max(steps_run, 1) * steps_per_epoch if steps_run else None,
+      "initialisation": (
+          f"pretrained weights from {config.init_weights}" if config.init_weights
+          else "from scratch"
+      ),
       "guarantee": (
           "per run, add/remove-one adjacency; hyperparameter search across runs is not covered"
       ),

@@ -1,0 +1,1 @@
+"""Configs and the sweep runner that reproduce the papers' experiments."""
