@@ -15,7 +15,12 @@ import optax
 
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
-from dpmuon_jax.privacy.release import PrivateTransformation, dp_release, privatize
+from dpmuon_jax.privacy.release import (
+    ADD_REMOVE,
+    PrivateTransformation,
+    dp_release,
+    privatize,
+)
 
 
 def dp_sgd(
@@ -27,6 +32,7 @@ def dp_sgd(
     momentum: float | None = None,
     nesterov: bool = False,
     clipping: Clipping | None = None,
+    neighbouring: str = ADD_REMOVE,
 ) -> PrivateTransformation:
   """DP-SGD (Abadi et al. 2016): θ ← θ − η·m_t with m_t = μ m_{t−1} + G̃_t.
 
@@ -34,7 +40,7 @@ def dp_sgd(
   Nesterov's look-ahead G̃_t + μ m_t. Paper 1's preset (notes §5.4):
   lr 0.3, momentum 0.9.
   """
-  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping)
+  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
   return privatize(release, optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
 
 
@@ -49,13 +55,14 @@ def dp_adam(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     clipping: Clipping | None = None,
+    neighbouring: str = ADD_REMOVE,
 ) -> PrivateTransformation:
   """DP-Adam: Adam (Kingma & Ba 2015) on the release G̃_t.
 
   m_t = b1 m + (1−b1) G̃_t,  v_t = b2 v + (1−b2) G̃_t²,
   θ ← θ − η m̂_t / (√v̂_t + eps). Paper 1's preset: lr 1e-3, (0.9, 0.999).
   """
-  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping)
+  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
   return privatize(release, optax.adam(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root))
 
 
@@ -70,9 +77,10 @@ def dp_adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     clipping: Clipping | None = None,
+    neighbouring: str = ADD_REMOVE,
 ) -> PrivateTransformation:
   """DP-AdamW: Adam on G̃_t with decoupled weight decay θ ← θ − η(û_t + λθ)."""
-  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping)
+  release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
   return privatize(
       release,
       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),

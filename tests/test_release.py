@@ -161,3 +161,10 @@ def _jitted_step(tx):
     return optax.apply_updates(params, updates), state
 
   return step
+
+
+@pytest.mark.parametrize("make", [dm.dp_sgd, dm.dp_adam, dm.dp_adamw, dm.dp_muon])
+def test_every_private_optimizer_records_its_adjacency(make):
+  assert make(0.1, C, SIGMA, D, key=1).release.neighbouring == "add_remove"
+  replace = make(0.1, C, SIGMA, D, key=1, neighbouring="replace_one").release
+  assert replace.accounting_noise_multiplier == pytest.approx(SIGMA / 2)
