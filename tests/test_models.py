@@ -201,3 +201,29 @@ def test_vit_patches_are_a_strided_conv():
                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
   dense = patches(x, 4) @ kernel.reshape(4 * 4 * 3, 5)
   np.testing.assert_allclose(dense, conv.reshape(2, 4, 5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [("wrn16_4", {"depth": 10, "width": 1}),
+     ("resnet18", {"stage_sizes": (1, 1), "width": 4, "groups": 2})],
+)
+def test_patch_conv_option_matches_lax_conv(name, overrides):
+  """``conv_impl="patches"`` is the same function as ``lax.conv`` (strides, 1×1 shortcuts)."""
+  make = lambda impl: create_model(name, NUM_CLASSES, (8, 8, 3), seed=0, conv_impl=impl,
+                                   **overrides)
+  lax_model, patch_model = pure_model(make("lax")), pure_model(make("patches"))
+  chex.assert_trees_all_equal(lax_model.params, patch_model.params)
+  images, _ = _batch((8, 8, 3))
+  np.testing.assert_allclose(patch_model.apply(patch_model.params, images),
+                             lax_model.apply(lax_model.params, images), rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="conv_impl"):
+    make("fft")
+
+
+def test_wrn_depth_and_width_overrides():
+  """The WRN names take ``depth``/``width`` overrides (CPU-scale configs)."""
+  model = nnx.eval_shape(lambda: create_model("wrn28_10", 10, (32, 32, 3), seed=0, depth=10,
+                                              width=2))
+  assert len(model.stages) == 3 and all(len(stage) == 1 for stage in model.stages)
+  assert model.head.in_features == 128  # 64 · width

@@ -33,8 +33,11 @@ def _cnn(num_classes: int, shape: tuple[int, int, int], rngs: nnx.Rngs, **kw: An
 
 
 def _wrn(depth: int, width: int) -> Builder:
+  """WRN-``depth``-``width``; ``depth``/``width`` overrides give a scaled-down WRN."""
+
   def build(num_classes: int, shape: tuple[int, int, int], rngs: nnx.Rngs, **kw: Any):
-    return WideResNet(depth, width, num_classes, in_channels=shape[2], rngs=rngs, **kw)
+    kw = {"depth": depth, "width": width, **kw}
+    return WideResNet(num_classes=num_classes, in_channels=shape[2], rngs=rngs, **kw)
 
   return build
 
@@ -74,8 +77,11 @@ def create_model(
     num_classes: number of classes (outputs of ``head``).
     image_shape: (H, W, C) of one input image.
     seed: public initialisation seed.
-    **overrides: constructor arguments of the model class, e.g. ``groups`` or,
-      for ``vit_small``, ``dim``/``depth``/``num_heads``/``patch_size``.
+    **overrides: constructor arguments of the model class, e.g. ``groups``;
+      ``conv_impl="patches"`` for the convolutional models (fast per-example
+      gradients on CPU); ``depth``/``width`` for the WRNs and ``width``/
+      ``stage_sizes`` for ``resnet18`` (scaled-down variants); for
+      ``vit_small``, ``dim``/``depth``/``num_heads``/``patch_size``.
   """
   if name not in _BUILDERS:
     raise ValueError(f"Unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}.")

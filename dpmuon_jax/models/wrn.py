@@ -16,7 +16,8 @@ privacy; GroupNorm normalises each example on its own.
 
 Parameter paths (``models/common.py``): ``stem``,
 ``stages/<s>/<b>/{norm1,conv1,norm2,conv2,shortcut}``, ``norm``, ``head``.
-Convolution kernels are (kh, kw, c_in, c_out).
+Convolution kernels are (kh, kw, c_in, c_out). ``conv_impl`` as in
+:mod:`~dpmuon_jax.models.resnet` (``"patches"`` for CPU-scale runs).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from dpmuon_jax.models.resnet import conv, group_norm
 class WideBlock(nnx.Module):
   """Pre-activation residual block of two 3×3 convolutions."""
 
-  def __init__(self, c_in: int, c_out: int, stride: int, groups: int, *, rngs: nnx.Rngs):
+  def __init__(self, c_in: int, c_out: int, stride: int, groups: int, *, rngs: nnx.Rngs,
+               conv_impl: str = "lax"):
     self.norm1 = group_norm(c_in, groups, rngs)
-    self.conv1 = conv(c_in, c_out, 3, stride, rngs)
+    self.conv1 = conv(c_in, c_out, 3, stride, rngs, conv_impl)
     self.norm2 = group_norm(c_out, groups, rngs)
-    self.conv2 = conv(c_out, c_out, 3, 1, rngs)
+    self.conv2 = conv(c_out, c_out, 3, 1, rngs, conv_impl)
     keeps_shape = stride == 1 and c_in == c_out
-    self.shortcut = None if keeps_shape else conv(c_in, c_out, 1, stride, rngs)
+    self.shortcut = None if keeps_shape else conv(c_in, c_out, 1, stride, rngs, conv_impl)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     a = jax.nn.relu(self.norm1(x))
@@ -54,6 +56,8 @@ class WideResNet(nnx.Module):
     num_classes: outputs of ``head``.
     in_channels: image channels (3 for CIFAR/SVHN, 1 for MNIST).
     groups: GroupNorm groups (reduced to gcd(channels, groups) per layer).
+    conv_impl: ``"lax"`` (default) or ``"patches"`` (fast per-example
+      gradients on CPU); the same function.
     rngs: initialisation randomness (public; not a privacy key).
   """
 
@@ -65,6 +69,7 @@ class WideResNet(nnx.Module):
       *,
       in_channels: int = 3,
       groups: int = 16,
+      conv_impl: str = "lax",
       rngs: nnx.Rngs,
   ):
     if depth < 10 or (depth - 4) % 6:
@@ -72,14 +77,15 @@ class WideResNet(nnx.Module):
     if width < 1:
       raise ValueError(f"WRN width must be >= 1, got {width}.")
     blocks_per_stage = (depth - 4) // 6
-    self.stem = conv(in_channels, 16, 3, 1, rngs)
+    self.stem = conv(in_channels, 16, 3, 1, rngs, conv_impl)
     stages = []
     c_in = 16
     for s, stride in enumerate((1, 2, 2)):
       c_out = 16 * width * 2**s
       blocks = []
       for b in range(blocks_per_stage):
-        blocks.append(WideBlock(c_in, c_out, stride if b == 0 else 1, groups, rngs=rngs))
+        blocks.append(WideBlock(c_in, c_out, stride if b == 0 else 1, groups, rngs=rngs,
+                                conv_impl=conv_impl))
         c_in = c_out
       stages.append(nnx.List(blocks))
     self.stages = nnx.List(stages)
