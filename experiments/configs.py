@@ -112,3 +112,69 @@ _add(
         "(q = B/N from 1.3% to 10%; the paper: 0.5% to 8.2%).",
     ),
 )
+
+# CPU-scale versions of the other tables (issue 6). Convolutional models use
+# ``conv_impl="patches"`` (the same function as ``lax.conv``; per-example
+# kernel gradients are matmuls, fast on XLA:CPU). Measured wall times (2 shared
+# CPU cores, a fresh ``--compilation-cache``): experiments/results/README.md.
+_CPU = dict(augment=False, microbatch_size=128, scale="cpu")
+_CIFAR_SUBSET = ("the first {n:,} {data} training images and the first {m:,} test images; "
+                 "{e} epochs instead of {full}; no augmentation")
+_add(
+    Experiment(
+        "architecture_resnet18_cpu", "paper 1 architecture table, CPU scale", "cifar10.npz",
+        "resnet18", ("dp_sgd", "dp_muon"), (64, 256), epochs=2, train_subset=2_000,
+        test_subset=500, model_overrides={"width": 8, "conv_impl": "patches"}, **_CPU,
+        scaling="ResNet-18 at 1/8 width (stage widths 8/16/32/64, 0.18M params instead of "
+        "11.2M); " + _CIFAR_SUBSET.format(n=2_000, data="CIFAR-10", m=500, e=2, full=50)
+        + "; batch sizes 64 and 256 (q = 3.2% and 12.8%; the paper: 256 and 4096, q = 0.5% "
+        "and 8.2%).",
+    ),
+    Experiment(
+        "architecture_wrn28_10_cpu", "paper 1 architecture table, CPU scale", "cifar10.npz",
+        "wrn28_10", ("dp_sgd", "dp_muon"), (64, 256), epochs=2, train_subset=2_000,
+        test_subset=500, model_overrides={"depth": 10, "width": 1, "conv_impl": "patches"},
+        **_CPU,
+        scaling="WRN-10-1 (one block per stage, widths 16/32/64, 78k params) instead of "
+        "WRN-28-10 (36.5M); " + _CIFAR_SUBSET.format(n=2_000, data="CIFAR-10", m=500, e=2,
+                                                     full=50)
+        + "; batch sizes 64 and 256 (q = 3.2% and 12.8%; the paper: 512–4096, q = 1–8.2%).",
+    ),
+    Experiment(
+        "temporal_ablation_cpu", "paper 1 ablation table, CPU scale", "cifar10.npz", "cnn",
+        ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
+         "dp_doppler_muon"), (64, 256), epochs=2, train_subset=3_000, test_subset=1_000,
+        **_CPU,
+        scaling="small CNN (156k params) instead of WRN-16-4; "
+        + _CIFAR_SUBSET.format(n=3_000, data="CIFAR-10", m=1_000, e=2, full=50)
+        + "; batch sizes 64 and 256 (q = 2.1% and 8.5%) instead of 256, 1024, 4096.",
+    ),
+    Experiment(
+        "cifar100_crossover_cpu", "paper 1 CIFAR-100 crossover, CPU scale", "cifar100", "cnn",
+        ("dp_sgd", "dp_muon"), (64, 256), epochs=2, train_subset=5_000, test_subset=1_000,
+        learning_rates=EXPERIMENTS["cifar100_crossover"].learning_rates, **_CPU,
+        scaling="small CNN (168k params with 100 classes) instead of WRN-16-4; "
+        + _CIFAR_SUBSET.format(n=5_000, data="CIFAR-100", m=1_000, e=2, full=50)
+        + "; DP-SGD and DP-Muon only (not DP-Adam, DP-Muon-S); batch sizes 64 and 256 "
+        "(q = 1.3% and 5.1%) instead of 256–8192.",
+    ),
+    Experiment(
+        "svhn_cpu", "paper 1 SVHN runs, CPU scale", "svhn_cropped", "cnn",
+        ("dp_sgd", "dp_muon"), (64, 256), epochs=2, train_subset=5_000, test_subset=1_000,
+        **_CPU,
+        scaling="small CNN (156k params) instead of WRN-16-4; "
+        + _CIFAR_SUBSET.format(n=5_000, data="SVHN (cropped digits)", m=1_000, e=2, full=50)
+        + "; DP-SGD and DP-Muon only (not DP-Adam, DP-Muon-S); batch sizes 64 and 256 "
+        "(q = 1.3% and 5.1%) instead of 256, 1024, 4096.",
+    ),
+    Experiment(
+        "vit_small_cifar100_cpu", "paper 1 ViT-Small fine-tuning, CPU scale", "cifar100",
+        "vit_small", ("dp_sgd", "dp_adam", "dp_muon"), (256,), epochs=2, train_subset=5_000,
+        test_subset=1_000, learning_rates=EXPERIMENTS["vit_small_cifar100"].learning_rates,
+        model_overrides={"dim": 64, "depth": 2, "num_heads": 4}, **_CPU,
+        scaling="a tiny ViT (dim 64, 2 blocks, 4 heads, MLP 256, 4×4 patches; 0.11M params "
+        "instead of ViT-Small's 21.3M) trained FROM SCRATCH, so NOT fine-tuning; "
+        + _CIFAR_SUBSET.format(n=5_000, data="CIFAR-100", m=1_000, e=2, full=10)
+        + "; batch size 256 (q = 5.1%) instead of 1024 (q = 2%).",
+    ),
+)

@@ -3,6 +3,7 @@
     python -m experiments.sweep cpu_phase_transition --data-dir ../shared/data
     python -m experiments.sweep main_table --data-dir ~/tensorflow_datasets   # GPU/TPU
     python -m experiments.sweep main_table --tiny      # one step per run on tiny shapes (CI)
+    python -m experiments.sweep svhn_cpu --stand-in    # wall time only: random data, /tmp
 
 Writes ``<out>/runs.csv`` (one row per optimizer × batch size × seed, with the
 ε each run spent), ``<out>/summary.csv`` (mean ± std over seeds of the final
@@ -10,6 +11,14 @@ and the best test accuracy), ``<out>/accuracy_vs_batch.png`` and, with
 ``--layer-report``, ``<out>/layer_report.csv``: the NON-PRIVATE per-layer
 SNR / recovery-threshold analysis of paper 1 at each batch size, computed on
 a probe batch at initialisation (analysis only; it never feeds training).
+
+``--stand-in`` replaces the data with random uint8 images and labels of the
+real dataset's image shape, split sizes (after the config's subset) and
+number of classes, to measure a config's wall time where the dataset is
+absent. Its accuracies are meaningless: it is labelled ``stand-in-<dataset>``
+everywhere and written under the system's temporary folder by default.
+``--compilation-cache DIR`` keeps XLA executables on disk, so the runs of
+one (optimizer, batch size) that differ only in the seed compile once.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import dataclasses
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -45,6 +55,32 @@ def load_experiment_data(exp: Experiment, data_dir: str | None) -> ImageDataset:
   n_test = exp.test_subset or data.num_test
   return ImageDataset(data.x_train[:n_train], data.y_train[:n_train], data.x_test[:n_test],
                       data.y_test[:n_test], data.num_classes, data.name)
+
+
+# (H, W, C), classes, train and test sizes of the real datasets (SVHN: cropped digits).
+STAND_IN_SHAPES: dict[str, tuple[tuple[int, int, int], int, int, int]] = {
+    "cifar10": ((32, 32, 3), 10, 50_000, 10_000),
+    "cifar100": ((32, 32, 3), 100, 50_000, 10_000),
+    "svhn_cropped": ((32, 32, 3), 10, 73_257, 26_032),
+}
+
+
+def stand_in_data(exp: Experiment) -> ImageDataset:
+  """Random data of the real dataset's shapes, sizes (after the subset) and classes.
+
+  For measuring wall time only; named ``stand-in-<dataset>``.
+  """
+  name = os.path.basename(exp.dataset).removesuffix(".npz")
+  if name not in STAND_IN_SHAPES:
+    raise ValueError(f"No stand-in for {exp.dataset!r}; known: {', '.join(STAND_IN_SHAPES)}.")
+  shape, num_classes, num_train, num_test = STAND_IN_SHAPES[name]
+  num_train = min(exp.train_subset or num_train, num_train)
+  num_test = min(exp.test_subset or num_test, num_test)
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, size=(num_train + num_test, *shape), dtype=np.uint8)
+  y = rng.integers(0, num_classes, size=num_train + num_test)
+  return ImageDataset(x[:num_train], y[:num_train], x[num_train:], y[num_train:], num_classes,
+                      f"stand-in-{name}")
 
 
 def tiny_data(exp: Experiment, num_classes: int = 10) -> ImageDataset:
@@ -80,9 +116,15 @@ def train_config(exp: Experiment, optimizer: str, batch_size: int, seed: int, ou
 
 
 def run(exp: Experiment, out: str, data_dir: str | None = None, tiny: bool = False,
-        layer_report: bool = False) -> list[dict]:
+        layer_report: bool = False, stand_in: bool = False) -> list[dict]:
   os.makedirs(out, exist_ok=True)
-  data = tiny_data(exp) if tiny else load_experiment_data(exp, data_dir)
+  if tiny:
+    data = tiny_data(exp)
+  elif stand_in:
+    data = stand_in_data(exp)
+    exp = dataclasses.replace(exp, dataset=data.name)  # labels every output
+  else:
+    data = load_experiment_data(exp, data_dir)
   rows = []
   runs = list(exp.runs())
   check_buildable(exp, out)
@@ -193,8 +235,8 @@ def _plot(path: str, summary: list[dict], exp: Experiment) -> None:
   ax.set_xscale("log", base=2)
   ax.set_xlabel("expected batch size B")
   ax.set_ylabel("best test accuracy (%)")
-  ax.set_title(f"{exp.name}: ε = {exp.epsilon}, {exp.epochs:g} epochs, σ recalibrated per B",
-               fontsize=9)
+  ax.set_title(f"{exp.name} ({exp.dataset}): ε = {exp.epsilon}, {exp.epochs:g} epochs, "
+               "σ recalibrated per B", fontsize=9)
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -210,10 +252,22 @@ def main(argv: list[str] | None = None) -> int:
                       help="TFDS data dir, and the folder of relative .npz paths")
   parser.add_argument("--tiny", action="store_true", help="one step per optimizer, tiny shapes")
   parser.add_argument("--layer-report", action="store_true")
+  parser.add_argument("--stand-in", action="store_true",
+                      help="random data of the real shapes (wall time only); default --out in "
+                      "the temporary folder")
+  parser.add_argument("--compilation-cache", default=None, metavar="DIR",
+                      help="persistent XLA compilation cache (seeds of one run compile once)")
   args = parser.parse_args(argv)
+  if args.compilation_cache:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   exp = EXPERIMENTS[args.experiment]
-  out = args.out or os.path.join(os.path.dirname(__file__), "results", exp.name)
-  run(exp, out, args.data_dir, args.tiny, args.layer_report)
+  if args.stand_in:
+    out = args.out or os.path.join(tempfile.gettempdir(), "dpmuon_stand_in", exp.name)
+  else:
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", exp.name)
+  run(exp, out, args.data_dir, args.tiny, args.layer_report, args.stand_in)
   return 0
 
 

@@ -1,11 +1,13 @@
 """Every experiment config builds, and runs one step on tiny shapes (configs cannot rot)."""
 
 import csv
+import dataclasses
 
+import numpy as np
 import pytest
 
 from experiments.configs import EXPERIMENTS
-from experiments.sweep import run
+from experiments.sweep import STAND_IN_SHAPES, run, stand_in_data
 
 
 def test_cpu_scale_configs_say_how_they_were_scaled_down():
@@ -24,3 +26,23 @@ def test_every_config_builds_and_runs_one_step(tmp_path, name):
     written = list(csv.DictReader(f))
   assert float(written[0]["epsilon_spent"]) > 0
   assert (tmp_path / "accuracy_vs_batch.png").exists()
+
+
+@pytest.mark.parametrize("name, shape, classes, train, test", [
+    ("cifar100_crossover_cpu", (32, 32, 3), 100, 5_000, 1_000),
+    ("svhn_cpu", (32, 32, 3), 10, 5_000, 1_000),
+])
+def test_stand_in_has_the_real_shapes_after_the_subset(name, shape, classes, train, test):
+  exp = EXPERIMENTS[name]
+  data = stand_in_data(exp)
+  assert data.name == f"stand-in-{exp.dataset}"
+  assert data.image_shape == shape and data.num_classes == classes
+  assert (data.num_train, data.num_test) == (train, test)
+  assert data.x_train.dtype == np.uint8 and data.y_train.max() < classes
+
+
+def test_stand_in_sizes_and_unknown_datasets():
+  assert STAND_IN_SHAPES["svhn_cropped"][2:] == (73_257, 26_032)  # full splits without a subset
+  assert STAND_IN_SHAPES["cifar100"][2:] == (50_000, 10_000)
+  with pytest.raises(ValueError, match="No stand-in"):
+    stand_in_data(dataclasses.replace(EXPERIMENTS["svhn_cpu"], dataset="mnist"))
