@@ -4,6 +4,14 @@ The two files are OpenAI's ``encoder.json`` / ``vocab.bpe`` (the same bytes as
 Hugging Face's ``gpt2/vocab.json`` / ``merges.txt``). ``tiktoken`` builds the
 encoding from them offline; ``tiktoken.get_encoding("gpt2")`` would download
 and is never used. ``"Hello world"`` → ``[15496, 995]``; ``<|endoftext|>`` is 50256.
+
+``vocab_size=V`` keeps GPT-2's first V − 1 tokens in merge order (the 256
+bytes and the first V − 257 merges) and puts ``<|endoftext|>`` at V − 1. That
+is byte-pair encoding with a shorter merge list: lossless (every text still
+encodes and decodes exactly, in more tokens), and built from the public BPE
+files alone, never from the training data. It is for models trained from
+scratch on a CPU, where the (V × d) embedding and tied head dominate the
+cost; pretrained GPT-2 weights need the full 50,257.
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ class GPT2Tokenizer:
   Args:
     directory: folder holding ``vocab.json`` and ``merges.txt``
       (here: ``shared/data/text/gpt2``).
+    vocab_size: ``None`` (GPT-2's 50,257) or V in [257, 50,257]: the first
+      V − 1 BPE tokens and ``<|endoftext|>`` = V − 1 (see the module docstring).
   """
 
-  def __init__(self, directory: str | os.PathLike):
+  def __init__(self, directory: str | os.PathLike, vocab_size: int | None = None):
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
@@ -36,8 +46,15 @@ class GPT2Tokenizer:
       if not os.path.isfile(path):
         raise FileNotFoundError(f"GPT-2 BPE file not found: {path!r}.")
     ranks = data_gym_to_mergeable_bpe_ranks(merges, vocab)
+    if vocab_size is None:
+      vocab_size = EOS_ID + 1
+    if isinstance(vocab_size, bool) or not 257 <= int(vocab_size) <= EOS_ID + 1:
+      raise ValueError(f"vocab_size must be an int in [257, {EOS_ID + 1}], got {vocab_size!r}.")
+    self._eos_id = int(vocab_size) - 1
+    ranks = {token: rank for token, rank in ranks.items() if rank < self._eos_id}
     self._encoding = tiktoken.Encoding(
-        name="gpt2", mergeable_ranks=ranks, special_tokens={EOS_TOKEN: EOS_ID}, pat_str=_PATTERN
+        name=f"gpt2-{vocab_size}", mergeable_ranks=ranks,
+        special_tokens={EOS_TOKEN: self._eos_id}, pat_str=_PATTERN,
     )
 
   @property
@@ -46,7 +63,7 @@ class GPT2Tokenizer:
 
   @property
   def eos_id(self) -> int:
-    return EOS_ID
+    return self._eos_id
 
   def encode(self, text: str) -> list[int]:
     """BPE ids of ``text``; ``<|endoftext|>`` inside it is encoded as plain text."""
