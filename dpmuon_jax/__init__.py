@@ -130,6 +130,7 @@ from dpmuon_jax.spectral.polar_metrics import (
     nonprivate_im_protocol,
     polar,
     polar_error,
+    summarise_protocol,
     variance_ratio,
     weighted_combination,
 )
@@ -172,6 +173,7 @@ from dpmuon_jax.text.gpt2 import (
 from dpmuon_jax.text.hf_weights import load_hf_gpt2, save_hf_gpt2
 from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll, write_results
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+from dpmuon_jax.text.train import LM_OPTIMIZERS, LMTrainConfig, lm_optimizer, train_lm
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
     restore_checkpoint,

@@ -1,6 +1,5 @@
 """GPT-2 table-to-text pipeline: model, loss, weights, tokenizer, data, decoding, metrics."""
 
-import importlib
 import itertools
 import json
 import os
@@ -154,29 +153,16 @@ def test_hf_layout_round_trip_and_clear_error_when_absent(tmp_path):
 # ---------------------------------------------------------------- private step
 
 
-def _im_factory():
-  try:
-    return importlib.import_module("dpmuon_jax.optimizers_im").dp_muon_im
-  except (ImportError, AttributeError):
-    return None
-
-
-@pytest.mark.parametrize("name", ["dp_muon", "dp_muon_im"])
+@pytest.mark.parametrize("name", ["dp_muon", "dp_muon_im", "dp_muon_bc", "dp_disk_muon"])
 def test_private_step_on_tiny_gpt2_clips_each_example_query(name):
-  from dpmuon_jax.optimizers_muon import dp_muon
+  from dpmuon_jax.text.train import LM_OPTIMIZERS
   from dpmuon_jax.training.step import make_private_step
 
   c = 0.5
-  if name == "dp_muon":
-    opt = dp_muon(0.02, c, 1.0, 8.0, jax.random.key(3), routing="paper2",
-                  fallback_learning_rate=1e-3)
-  else:
-    factory = _im_factory()
-    if factory is None:
-      pytest.skip("dpmuon_jax.optimizers_im.dp_muon_im is not available")
-    opt = factory(0.02, c, 1.0, 8.0, jax.random.key(3), history=2, decay=0.5,
-                  fallback_history=1, fallback_decay=0.5, routing="paper2",
-                  fallback_learning_rate=1e-3)
+  extra = {"history": 2, "decay": 0.5, "fallback_history": 1, "fallback_decay": 0.5}
+  opt = LM_OPTIMIZERS[name](0.02, c, 1.0, 8.0, jax.random.key(3), routing="paper2",
+                            fallback="adamw", fallback_learning_rate=1e-3,
+                            **(extra if name == "dp_muon_im" else {}))
   config = TINY._replace(num_layers=1, dim=16, num_heads=2)
   apply, params = _model(config, scale=3.0)
   step = make_private_step(opt, lm_loss(apply))
@@ -187,7 +173,7 @@ def test_private_step_on_tiny_gpt2_clips_each_example_query(name):
   batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask)}
   real = jnp.asarray([True, True, True, False])
   state = opt.init(params)
-  num_steps = 1 if name == "dp_muon" else 2  # the second has a history for inner momentum
+  num_steps = 2  # the second has a history (inner momentum) / a previous release (DiSK)
   for t in range(num_steps):
     if t == num_steps - 1:
       for i in range(3):

@@ -356,6 +356,12 @@ def nonprivate_im_protocol(
           residual_current=float(np.linalg.norm(rc) / np.linalg.norm(rcc)),
           residual_im=float(np.linalg.norm(ri) / np.linalg.norm(ric)),
       ))
+  return summarise_protocol(rows)
+
+
+def summarise_protocol(rows: Sequence[ProtocolRow]) -> ProtocolResult:
+  """Paired relative reductions over protocol rows (e.g. rows gathered across runs)."""
+  rows = list(rows)
   col = lambda name: np.asarray([getattr(r, name) for r in rows], np.float64)
   return ProtocolResult(
       rows,

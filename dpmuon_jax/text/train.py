@@ -1,0 +1,339 @@
+"""Private table-to-text training of GPT-2 (paper 2, §5 and appendix C).
+
+One run: Poisson sampling at rate q over the N training pairs, T releases,
+each the sum of per-example queries (the gradient, or inner momentum's
+average over recent states) clipped at C plus N(0, σ²C²) noise, divided by
+the public denominator D (paper 2 uses D = 1025 on E2E, 1027 on DART, not
+qN), then the optimizer's post-processing with the ``paper2`` routing
+(hidden matrices on Muon; embeddings, tied head and 1-D leaves on AdamW):
+
+    q = 1/41, T = 410 (E2E) · q = 1/61, T = 610 (DART) · C = 1 · σ = calibrate(ε, δ, q, T)
+
+Validation NLL in nats per target token is measured every ``eval_every``
+releases and at the end; at the end the model decodes each evaluation
+source (greedy or beam, with a length cap) and is scored with BLEU and
+ROUGE-L (:mod:`dpmuon_jax.text.metrics`). Evaluation reads held-out splits
+only; the guarantee covers the training pairs and is per run (selecting
+settings across runs, as paper 2 does by validation loss on seed 37, is not
+covered).
+
+``diagnostic_steps`` runs paper 2's NON-PRIVATE polar-error /
+clipping-residual probe (:func:`dpmuon_jax.spectral.polar_metrics.nonprivate_im_protocol`)
+before the update at those steps, on a fixed probe batch of training pairs,
+with the run's own stored states (figures 3–4). Its output is analysis only:
+it reads per-example gradients before noise and is not covered by the
+guarantee.
+
+Wall time and peak memory (the device's peak allocation where the backend
+reports it, and the process's peak RSS) are recorded for the K sweep of §5.3.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import resource
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dpmuon_jax.distributed.sharded import sharded_capacity
+from dpmuon_jax.optimizers_filters import dp_disk_muon
+from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
+from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.privacy.accounting import RDP
+from dpmuon_jax.privacy.inner_momentum import find_history
+from dpmuon_jax.privacy.keys import root_key
+from dpmuon_jax.privacy.release import PrivateTransformation
+from dpmuon_jax.privacy.sampling import gather
+from dpmuon_jax.privacy.setup import make_private
+from dpmuon_jax.spectral.polar_metrics import (
+    ProtocolCheckpoint,
+    ProtocolRow,
+    nonprivate_im_protocol,
+    summarise_protocol,
+)
+from dpmuon_jax.text.data import TextDataset, encode_pairs, encode_prompts, load_text_dataset
+from dpmuon_jax.text.generate import beam_search, decode_texts, greedy_decode
+from dpmuon_jax.text.gpt2 import GPT2, GPT2_SMALL, GPT2_TINY, GPT2Config, gpt2_model, lm_loss
+from dpmuon_jax.text.hf_weights import load_hf_gpt2
+from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll
+from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+from dpmuon_jax.training.step import make_private_step
+
+PyTree = Any
+
+LM_OPTIMIZERS = {
+    "dp_muon": dp_muon,
+    "dp_muon_im": dp_muon_im,
+    "dp_muon_bc": dp_muon_bc,
+    "dp_disk_muon": dp_disk_muon,
+}
+"""Optimizers of paper 2's tables; each gets ``routing="paper2"`` and an AdamW fallback."""
+
+MODEL_PRESETS = {"gpt2": GPT2_SMALL, "gpt2_tiny": GPT2_TINY}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMTrainConfig:
+  """One private GPT-2 run on E2E or DART.
+
+  Attributes:
+    data_dir: folder in the layout of ``shared/data/text`` (``e2e/``,
+      ``dart/``, ``gpt2/``); ``tokenizer_dir`` defaults to ``data_dir/gpt2``.
+    init_weights: a local Hugging Face GPT-2 directory (fine-tuning, paper 2);
+      ``None`` trains ``model`` from scratch (results say so).
+    model: a :data:`MODEL_PRESETS` name; ``model_overrides``: GPT2Config fields.
+    vocab_size: truncated BPE vocabulary for from-scratch models
+      (:class:`~dpmuon_jax.text.tokenizer.GPT2Tokenizer`); ``None``: GPT-2's.
+    optimizer: a :data:`LM_OPTIMIZERS` name; ``optimizer_kwargs`` go to its
+      factory (e.g. inner momentum's ``history``/``decay``/``fallback_*``).
+    learning_rate, fallback_learning_rate: Muon group / AdamW group (paper 2:
+      0.002 / 0.0035), constant.
+    sampling_rate, steps, denominator, clip: q, T, D, C. ``denominator=None``
+      uses qN.
+    train_split: the split trained on (``"train"``; CI's one-step smoke runs
+      use ``"valid"``, which is always present).
+    train_subset: the first n training pairs only (CPU scale); N is then n.
+    capacity: rows of each padded Poisson batch (default mean + 6 sd); a
+      sample above it is not cut but spills into extra chunks of the same
+      release, so a tighter capacity only trades padding for extra chunks.
+    eval_pairs: validation pairs for the NLL (``None``: all).
+    generate_splits / generate_groups: splits to decode and score, and how
+      many of their groups (``None``: all).
+  """
+
+  data_dir: str
+  dataset: str = "e2e"
+  output_dir: str = "runs/lm"
+  tokenizer_dir: str | None = None
+  init_weights: str | None = None
+  model: str = "gpt2"
+  model_overrides: dict = dataclasses.field(default_factory=dict)
+  vocab_size: int | None = None
+  max_length: int = 128
+  optimizer: str = "dp_muon_im"
+  optimizer_kwargs: dict = dataclasses.field(default_factory=dict)
+  learning_rate: float = 0.002
+  fallback_learning_rate: float = 0.0035
+  epsilon: float = 8.0
+  delta: float = 1e-5
+  sampling_rate: float = 1 / 41
+  steps: int = 410
+  denominator: float | None = 1025.0
+  clip: float = 1.0
+  accountant: str = RDP
+  seed: int | None = None
+  model_seed: int = 0
+  microbatch_size: int | None = None
+  train_split: str = "train"
+  train_subset: int | None = None
+  capacity: int | None = None
+  eval_every: int | None = None
+  eval_pairs: int | None = None
+  eval_batch_size: int = 64
+  generate_splits: tuple[str, ...] = ("valid", "test")
+  generate_groups: int | None = None
+  beam_size: int = 1
+  max_new_tokens: int = 64
+  diagnostic_steps: tuple[int, ...] = ()
+  diagnostic_examples: int = 32
+
+
+def lm_optimizer(config: LMTrainConfig, release_kwargs: dict[str, Any]) -> PrivateTransformation:
+  """The configured optimizer with the ``paper2`` routing and its AdamW group."""
+  if config.optimizer not in LM_OPTIMIZERS:
+    raise ValueError(
+        f"Unknown optimizer {config.optimizer!r}; choose from {', '.join(LM_OPTIMIZERS)}."
+    )
+  kwargs = {"routing": "paper2", "fallback": "adamw",
+            "fallback_learning_rate": config.fallback_learning_rate, **config.optimizer_kwargs}
+  return LM_OPTIMIZERS[config.optimizer](config.learning_rate, **release_kwargs, **kwargs)
+
+
+def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT2Config, bool]:
+  """``(apply, params, gpt2_config, pretrained)`` from ``init_weights`` or from scratch."""
+  if config.init_weights is not None:
+    params, gpt2_config = load_hf_gpt2(config.init_weights)
+    if gpt2_config.vocab_size != vocab_size:
+      raise ValueError(f"The checkpoint's vocabulary has {gpt2_config.vocab_size} tokens, the "
+                       f"tokenizer {vocab_size}: pretrained weights need vocab_size=None.")
+    apply, _ = gpt2_model(nnx.eval_shape(lambda: GPT2(gpt2_config, rngs=nnx.Rngs(0))))
+    return apply, params, gpt2_config, True
+  if config.model not in MODEL_PRESETS:
+    raise ValueError(f"Unknown model {config.model!r}; choose from {', '.join(MODEL_PRESETS)}.")
+  gpt2_config = MODEL_PRESETS[config.model]._replace(vocab_size=vocab_size,
+                                                     **config.model_overrides)
+  apply, params = gpt2_model(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed)))
+  return apply, params, gpt2_config, False
+
+
+def ordered_history(opt_state: Any) -> list[PyTree]:
+  """[θ_{t−1}, θ_{t−2}, …] from inner momentum's ring buffer (most recent first)."""
+  history = find_history(opt_state)
+  count = int(history.count)
+  slots = jax.tree.leaves(history.states)[0].shape[0]
+  return [jax.tree.map(lambda s, k=k: s[(count - k) % slots], history.states)
+          for k in range(1, min(count, slots) + 1)]
+
+
+def peak_memory() -> dict[str, float]:
+  """Peak device allocation (GiB, where the backend reports it) and peak process RSS (GiB)."""
+  out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    out["peak_device_gib"] = stats["peak_bytes_in_use"] / 2**30
+  return out
+
+
+def generate_texts(apply, params, tokenizer: GPT2Tokenizer, sources: list[str],
+                   config: LMTrainConfig, batch_size: int = 32) -> list[str]:
+  """Decodes every source (greedy, or beam search when ``beam_size > 1``)."""
+  prompts, lengths = encode_prompts(tokenizer, sources, config.max_length)
+  width = int(lengths.max()) if len(sources) else 1
+  texts = []
+  for start in range(0, len(sources), batch_size):
+    p = prompts[start:start + batch_size, :width]
+    n = lengths[start:start + batch_size]
+    pad = batch_size - len(p)
+    p = np.concatenate([p, np.full((pad, width), tokenizer.eos_id, np.int32)])
+    n = np.concatenate([n, np.ones((pad,), np.int32)])
+    if config.beam_size > 1:
+      out = beam_search(apply, params, jnp.asarray(p), jnp.asarray(n), config.max_new_tokens,
+                        tokenizer.eos_id, config.beam_size)
+    else:
+      out = greedy_decode(apply, params, jnp.asarray(p), jnp.asarray(n), config.max_new_tokens,
+                          tokenizer.eos_id)
+    texts.extend(decode_texts(tokenizer, out)[:len(p) - pad])
+  return [t.strip() for t in texts]
+
+
+def score_split(apply, params, tokenizer, data: TextDataset, config: LMTrainConfig) -> dict:
+  """BLEU and ROUGE-L of decoded outputs on ``data``'s groups (E2E or DART scorers)."""
+  groups = data.groups[:config.generate_groups]
+  hypotheses = generate_texts(apply, params, tokenizer, [g.source for g in groups], config)
+  references = [g.references for g in groups]
+  scores = {"groups": len(groups), "bleu": bleu(hypotheses, references)}
+  rouge = e2e_rouge_l if data.name == "e2e" else dart_rouge_l
+  try:
+    scores["rouge_l"] = rouge(hypotheses, references)
+  except RuntimeError as error:  # the official E2E tokenizer needs java
+    scores["rouge_l_error"] = str(error)
+  scores["examples"] = [{"source": g.source, "output": h}
+                        for g, h in zip(groups[:5], hypotheses[:5])]
+  return scores
+
+
+def train_lm(config: LMTrainConfig) -> dict:
+  """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
+  (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``."""
+  if config.diagnostic_steps and config.optimizer != "dp_muon_im":
+    raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
+                     "they need optimizer='dp_muon_im'.")
+  if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
+    raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
+                     f"{config.microbatch_size}.")
+  os.makedirs(config.output_dir, exist_ok=True)
+  tokenizer = GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
+                            config.vocab_size)
+  train = load_text_dataset(config.dataset, config.data_dir, config.train_split)
+  valid = load_text_dataset(config.dataset, config.data_dir, "valid")
+  pairs = train.pairs[:config.train_subset]
+  train_arrays = encode_pairs(tokenizer, pairs, config.max_length)
+  valid_arrays = encode_pairs(tokenizer, valid.pairs[:config.eval_pairs], config.max_length)
+  apply, params, gpt2_config, pretrained = load_model(config, tokenizer.vocab_size)
+
+  n = len(pairs)
+  root = root_key(config.seed)
+  setup = make_private(
+      target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=n,
+      expected_batch_size=config.sampling_rate * n, l2_clip_norm=config.clip,
+      steps=config.steps, key=root, accountant=config.accountant,
+      denominator=config.denominator,
+      capacity=config.capacity or sharded_capacity(n, config.sampling_rate, 1,
+                                                   config.microbatch_size),
+  )
+  optimizer = lm_optimizer(config, setup.release_kwargs)
+  loss_fn = lm_loss(apply)
+  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
+  opt_state = optimizer.init(params)
+  ledger = setup.ledger
+  probe = {k: v[:config.diagnostic_examples] for k, v in train_arrays.items()}
+  settings = config.optimizer_kwargs
+  diagnostic_rows: list[ProtocolRow] = []
+  history: list[dict] = []
+  eval_every = config.eval_every or config.steps
+
+  def validation_nll(params) -> float:
+    return mean_token_nll(apply, params, valid_arrays, config.eval_batch_size)
+
+  started = time.perf_counter()
+  for step in range(config.steps):
+    if not ledger.can_release(1):
+      break
+    if step in config.diagnostic_steps:
+      checkpoint = ProtocolCheckpoint(params, ordered_history(opt_state), config.seed or 0, step)
+      diagnostic_rows += nonprivate_im_protocol(
+          loss_fn, [checkpoint], config.clip, settings.get("decay", 0.5),
+          settings.get("history", 1), probe, routing="paper2").rows
+    chunks = [(gather(train_arrays, c), jnp.asarray(c.mask)) for c in setup.sampler.sample(step)]
+    out = step_fn(params, opt_state, chunks)
+    params, opt_state = out.params, out.opt_state
+    ledger.record(setup.sampler, optimizer)
+    if (step + 1) % eval_every == 0 or step + 1 == config.steps:
+      history.append({"step": step + 1, "epsilon": ledger.epsilon(),
+                      "valid_nll": validation_nll(params),
+                      "seconds": time.perf_counter() - started})
+      print(json.dumps(history[-1]), flush=True)
+  train_seconds = time.perf_counter() - started
+  memory = peak_memory()
+
+  scores = {}
+  for split in config.generate_splits:
+    data = valid if split == "valid" else load_text_dataset(config.dataset, config.data_dir, split)
+    scores[split] = score_split(apply, params, tokenizer, data, config)
+  results = {
+      "config": dataclasses.asdict(config),
+      "pretrained": pretrained,
+      "model": gpt2_config._asdict(),
+      "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+      "train_pairs": n,
+      "epsilon_spent": ledger.epsilon(),
+      "delta": config.delta,
+      "releases": ledger.count,
+      "noise_multiplier": setup.noise_multiplier,
+      "sampling_rate": setup.sampler.sampling_rate,
+      "denominator": setup.release_kwargs["denominator"],
+      "seeded": bool(root.seeded),
+      "valid_nll": history[-1]["valid_nll"] if history else validation_nll(params),
+      "train_seconds": train_seconds,
+      **memory,
+      "scores": scores,
+      "guarantee": "per run, for the training pairs; selection across runs is not covered",
+  }
+  if diagnostic_rows:
+    summary = summarise_protocol(diagnostic_rows)
+    results["nonprivate_diagnostics"] = {
+        name: getattr(summary, name)._asdict()
+        for name in ("polar_error", "cosine_error", "clipping_residual")}
+    _write_rows(os.path.join(config.output_dir, "diagnostics.csv"),
+                [r._asdict() for r in diagnostic_rows])
+  _write_rows(os.path.join(config.output_dir, "history.csv"), history)
+  with open(os.path.join(config.output_dir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2, default=float)
+  return results
+
+
+def _write_rows(path: str, rows: list[dict]) -> None:
+  if not rows:
+    return
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=tuple(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)

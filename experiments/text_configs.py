@@ -1,0 +1,175 @@
+"""Paper 2's GPT-2 experiments (tables 1, 2, 5, the K sweep, figures 3–4), full and CPU scale.
+
+Protocol (paper 2, §5 and appendix C): GPT-2 small fine-tuned from the
+Hugging Face ``gpt2`` weights; Poisson sampling q = 1/41 with 410 releases
+on E2E (q = 1/61, 610 releases on DART), release denominators 1025 / 1027,
+C = 1 on the whole concatenated query, ε ∈ {1, 2, 4, 8}, seeds 37–39,
+learning rates 0.002 (Muon group) / 0.0035 (AdamW group), the ``paper2``
+routing, and inner momentum's (K, γ) per ε and per group:
+
+    E2E ε ∈ {1, 2, 4}: Muon (4, 0.5), AdamW (3, 0.5)    E2E ε = 8: (4, 0.5), (2, 0.5)
+    DART:              Muon (3, 0.7), AdamW (3, 0.5)
+
+These settings were selected by paper 2 on validation loss (seed 37): a
+search across runs is NOT covered by the per-run guarantee, and they are
+used here as published, not re-tuned. δ is not given in the paper summary;
+1e-5 (< 1/N for both datasets) is used. Every run's ε is in its row of
+``runs.csv``.
+
+Not stated in the paper and chosen here: constant learning rates, greedy
+decoding with at most 64 new tokens, ``max_length`` 128 tokens per pair,
+separate q/k/v matrices on Muon (Hugging Face fuses them into one
+``c_attn``; which one paper 2 orthogonalised is not said), the 7 diagnostic
+checkpoints inside the 410 releases (the paper's figures reach update 2000,
+so its diagnostic runs were longer than the utility runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpmuon_jax.privacy.disk_query import DISK_PRESETS
+from dpmuon_jax.privacy.inner_momentum import PAPER2_PRESETS
+
+SEEDS = (37, 38, 39)
+EPSILONS = (1.0, 2.0, 4.0, 8.0)
+E2E_TRAIN_PAIRS = 42_061
+
+
+def im_preset(dataset: str, epsilon: float) -> dict:
+  """Paper 2's (K, γ) of both groups for a dataset and ε (appendix C)."""
+  if dataset == "dart":
+    name = "dart"
+  else:
+    name = "e2e_eps8" if epsilon == 8 else "e2e"
+  return PAPER2_PRESETS[name]._asdict()
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One row of a table: an optimizer and its settings.
+
+  ``paper2_im=True`` adds :func:`im_preset` for the run's dataset and ε
+  (explicit ``kwargs`` win).
+  """
+
+  label: str
+  optimizer: str
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  paper2_im: bool = False
+
+  def optimizer_kwargs(self, dataset: str, epsilon: float) -> dict:
+    preset = im_preset(dataset, epsilon) if self.paper2_im else {}
+    return {**preset, **self.kwargs}
+
+
+DP_MUON = Variant("DP-Muon", "dp_muon")
+DP_MUON_IM = Variant("DP-Muon-IM", "dp_muon_im", paper2_im=True)
+_KF = DISK_PRESETS["paper2"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TextExperiment:
+  """A grid of private GPT-2 runs: variants × ε × seeds."""
+
+  name: str
+  table: str
+  dataset: str
+  variants: tuple[Variant, ...]
+  epsilons: tuple[float, ...] = EPSILONS
+  seeds: tuple[int, ...] = SEEDS
+  sampling_rate: float = 1 / 41
+  steps: int = 410
+  denominator: float | None = 1025.0
+  clip: float = 1.0
+  delta: float = 1e-5
+  learning_rate: float = 0.002
+  fallback_learning_rate: float = 0.0035
+  pretrained: bool = True  # needs --gpt2-dir (Hugging Face weights)
+  model: str = "gpt2"
+  model_overrides: dict = dataclasses.field(default_factory=dict)
+  vocab_size: int | None = None
+  max_length: int = 128
+  microbatch_size: int | None = 16
+  capacity: int | None = None
+  eval_pairs: int | None = None
+  generate_splits: tuple[str, ...] = ("valid", "test")
+  generate_groups: int | None = None
+  diagnostic_steps: tuple[int, ...] = ()
+  metric: str = "bleu"  # the table's main metric: "bleu" or "valid_nll"
+  scale: str = "full"
+  scaling: str = ""
+
+  def runs(self):
+    for variant in self.variants:
+      for epsilon in self.epsilons:
+        for seed in self.seeds:
+          yield variant, epsilon, seed
+
+
+TEXT_EXPERIMENTS: dict[str, TextExperiment] = {}
+
+
+def _add(*experiments: TextExperiment) -> None:
+  for e in experiments:
+    TEXT_EXPERIMENTS[e.name] = e
+
+
+_DART = {"dataset": "dart", "sampling_rate": 1 / 61, "steps": 610, "denominator": 1027.0}
+
+_add(
+    # Table 2: DP-Muon vs DP-Muon-IM across ε, E2E and DART.
+    TextExperiment("paper2_table2_e2e", "paper 2 table 2 (E2E)", "e2e", (DP_MUON, DP_MUON_IM)),
+    TextExperiment("paper2_table2_dart", "paper 2 table 2 (DART)", variants=(DP_MUON, DP_MUON_IM),
+                   **_DART),
+    # Table 1: Muon-based optimizers on E2E at ε = 8 (KF = DiSK's simplified
+    # Kalman filter before the Muon update, κ = 0.5, extrapolation 0.8).
+    TextExperiment(
+        "paper2_table1_e2e", "paper 2 table 1 (E2E, ε = 8)", "e2e",
+        (DP_MUON, DP_MUON_IM, Variant("DP-Muon-BC", "dp_muon_bc"),
+         Variant("KF-Muon", "dp_disk_muon", {"kappa": _KF.kappa, "gamma": _KF.gamma})),
+        epsilons=(8.0,),
+    ),
+    # Table 5: which group's history matters, E2E ε = 4, scored by NLL.
+    TextExperiment(
+        "paper2_table5_group_ablation", "paper 2 table 5 (E2E, ε = 4, NLL)", "e2e",
+        tuple(Variant(f"IM Muon K={k} / AdamW K={kf}", "dp_muon_im",
+                      {"history": k, "decay": 0.5, "fallback_history": kf, "fallback_decay": 0.5})
+              for k, kf in ((0, 0), (4, 0), (0, 3), (4, 3))),
+        epsilons=(4.0,), metric="valid_nll", generate_splits=(),
+    ),
+    # §5.3 / figure 2: the history length K, with wall time and peak memory.
+    TextExperiment(
+        "paper2_k_sweep", "paper 2 §5.3 K sweep (E2E)", "e2e",
+        tuple(Variant(f"K={k}", "dp_muon_im", {"history": k, "decay": 0.5,
+                                                "fallback_history": k, "fallback_decay": 0.5})
+              for k in range(5)),
+        epsilons=(8.0,), seeds=(37,), generate_splits=("valid",),
+    ),
+    # Figures 3–4: polar error and clipping residual of IM vs the current-only
+    # query at 7 pre-update checkpoints, (K, γ) = (4, 0.9), NON-PRIVATE probe.
+    TextExperiment(
+        "paper2_diagnostics", "paper 2 figures 3–4 (E2E)", "e2e",
+        (Variant("DP-Muon-IM (4, 0.9)", "dp_muon_im", PAPER2_PRESETS["diagnostic"]._asdict()),),
+        epsilons=(8.0,), generate_splits=(), diagnostic_steps=(1, 10, 50, 100, 200, 300, 400),
+    ),
+)
+
+_add(
+    # The CPU-scale comparison (issue 8): a small GPT-2 from scratch on E2E.
+    TextExperiment(
+        "e2e_cpu_im", "paper 2 table 2 (E2E), CPU scale", "e2e",
+        (DP_MUON, Variant("DP-Muon-IM", "dp_muon_im", {"history": 1, "decay": 0.5})),
+        epsilons=(8.0,), sampling_rate=256 / E2E_TRAIN_PAIRS, steps=80, denominator=None,
+        learning_rate=0.02, fallback_learning_rate=0.003, pretrained=False, model="gpt2_tiny",
+        model_overrides={"dim": 64, "num_layers": 2, "num_heads": 2, "max_positions": 192},
+        vocab_size=4096, microbatch_size=64, generate_splits=("test",), scale="cpu",
+        scaling="a 2-layer, 64-wide GPT-2 (370k parameters) trained FROM SCRATCH instead of "
+        "fine-tuning GPT-2 small; GPT-2's BPE cut to its first 4,095 tokens (lossless, from the "
+        "public merges only); expected batch 256 (q = 256/42,061) for 80 releases (about half "
+        "an epoch) instead of q = 1/41 for 410; D = qN = 256; ε = 8 only; inner momentum "
+        "K = 1, γ = 0.5 in both groups (paper 2's cheap setting, §5.3) instead of the ε = 8 "
+        "preset (4, 0.5)/(2, 0.5); learning rates 0.02 (Muon) / 0.003 (AdamW) chosen a priori "
+        "for training from scratch (paper 2's 0.002 / 0.0035 are for fine-tuning), not tuned.",
+    ),
+)
