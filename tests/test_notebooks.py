@@ -7,6 +7,7 @@ when ``import dpmuon_jax`` fails, no cell refers to a local path, and the
 committed notebooks carry no outputs.
 """
 
+import itertools
 import pathlib
 import re
 
@@ -41,8 +42,8 @@ def _install_guard(source: str) -> bool:
     return False
   if len(body) < 3 or body[1].strip() != "except ImportError:":
     return False
-  install = body[2]
-  return install.startswith((" ", "\t")) and install.strip().startswith("%pip install")
+  handler = list(itertools.takewhile(lambda ln: ln.startswith((" ", "\t")), body[2:]))
+  return any(ln.strip().startswith("%pip install") for ln in handler)
 
 
 def test_notebooks_exist():
@@ -53,6 +54,10 @@ def test_install_guard_detects_unguarded_install():
   assert _install_guard('try:\n  import dpmuon_jax\nexcept ImportError:\n  %pip install -q x\n')
   assert not _install_guard('%pip install -q x\nimport dpmuon_jax\n')
   assert not _install_guard('try:\n  import numpy\nexcept ImportError:\n  %pip install -q x\n')
+  assert _install_guard('try:\n  import dpmuon_jax\nexcept ImportError:\n  if not s:\n'
+                        '    raise RuntimeError("set s")\n  %pip install -q x\n')
+  assert not _install_guard('try:\n  import dpmuon_jax\nexcept ImportError:\n  pass\n'
+                            '%pip install -q x\n')
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
