@@ -1,7 +1,12 @@
-"""Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC on the small CNN.
+"""Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC.
 
-    python benchmarks/bench_inner_momentum.py            # B = 1024, microbatch 128
+    python benchmarks/bench_inner_momentum.py            # small CNN, B = 1024, microbatch 128
     python benchmarks/bench_inner_momentum.py --quick    # B = 64, microbatch 32
+    python benchmarks/bench_inner_momentum.py --workload gpt2   # the e2e_cpu_im GPT-2, B = 256
+
+``--workload gpt2`` times ``GPT2_CPU``, the CPU-scale GPT-2 of
+``experiments/text_configs.py`` (2 layers, width 64, vocabulary 4,096, 128
+tokens per example), with the ``paper2`` routing and its AdamW group.
 
 For each optimizer, the whole jitted private step of
 :func:`dpmuon_jax.make_private_step` (query, clipped sum, release,
@@ -23,31 +28,54 @@ import sys
 import time
 
 import jax
+from flax import nnx
 
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.models.common import classification_loss
 from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
 from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.text.gpt2 import GPT2, GPT2_CPU, gpt2_model, lm_loss
 from dpmuon_jax.training.step import make_private_step
 
 CONFIGS = {
-    "DP-Muon": lambda d: dp_muon(0.02, 1.0, 1.0, d, key=0),
-    **{f"DP-Muon-IM K={k}": (lambda d, k=k: dp_muon_im(0.02, 1.0, 1.0, d, key=0, history=k))
+    "DP-Muon": lambda d, **kw: dp_muon(0.02, 1.0, 1.0, d, key=0, **kw),
+    **{f"DP-Muon-IM K={k}": (
+        lambda d, k=k, **kw: dp_muon_im(0.02, 1.0, 1.0, d, key=0, history=k, **kw))
        for k in (0, 1, 2, 4)},
-    "DP-Muon-BC": lambda d: dp_muon_bc(0.02, 1.0, 1.0, d, key=0),
+    "DP-Muon-BC": lambda d, **kw: dp_muon_bc(0.02, 1.0, 1.0, d, key=0, **kw),
 }
+GPT2_MAX_LENGTH = 128  # tokens per example, as e2e_cpu_im
+GPT2_ROUTING = {"routing": "paper2", "fallback": "adamw", "fallback_learning_rate": 3e-3}
 
 
-def build(name: str, batch_size: int, microbatch: int | None):
+def cnn_workload(batch_size: int):
   model = small_cnn(10, 3, key=jax.random.key(0))
-  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  k1, k2 = jax.random.split(jax.random.key(1))
   batch = {"image": jax.random.normal(k1, (batch_size, 32, 32, 3)),
            "label": jax.random.randint(k2, (batch_size,), 0, 10)}
-  mask = jax.random.bernoulli(k3, 0.875, (batch_size,))
-  opt = CONFIGS[name](0.875 * batch_size)
-  step = make_private_step(opt, classification_loss(model.apply), microbatch_size=microbatch)
-  state = opt.init(model.params)
-  args = (model.params, state, batch, mask, step.empty_overflow(model.params))
+  return model.params, classification_loss(model.apply), batch, {}
+
+
+def gpt2_workload(batch_size: int):
+  apply, params = gpt2_model(GPT2(GPT2_CPU, rngs=nnx.Rngs(0)))
+  k1, k2 = jax.random.split(jax.random.key(1))
+  tokens = jax.random.randint(k1, (batch_size, GPT2_MAX_LENGTH), 0, GPT2_CPU.vocab_size)
+  lengths = jax.random.randint(k2, (batch_size, 1), 40, GPT2_MAX_LENGTH)
+  positions = jax.numpy.arange(GPT2_MAX_LENGTH)
+  loss_mask = ((positions >= 20) & (positions < lengths)).astype(jax.numpy.float32)
+  return params, lm_loss(apply), {"tokens": tokens, "loss_mask": loss_mask}, GPT2_ROUTING
+
+
+WORKLOADS = {"cnn": cnn_workload, "gpt2": gpt2_workload}
+
+
+def build(name: str, batch_size: int, microbatch: int | None, workload: str = "cnn"):
+  params, loss_fn, batch, routing = WORKLOADS[workload](batch_size)
+  mask = jax.random.bernoulli(jax.random.key(2), 0.875, (batch_size,))
+  opt = CONFIGS[name](0.875 * batch_size, **routing)
+  step = make_private_step(opt, loss_fn, microbatch_size=microbatch)
+  state = opt.init(params)
+  args = (params, state, batch, mask, step.empty_overflow(params))
   compiled = step.step.lower(*args).compile()
   out = compiled(*args)  # warm-up; then one step so the IM history is non-trivial
   args = (out.params, out.opt_state, batch, mask, args[-1])
@@ -60,8 +88,8 @@ def _peak_rss_gib() -> float:
     return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("VmHWM:"))
 
 
-def memory_child(name: str, batch_size: int, microbatch: int) -> None:
-  compiled, args = build(name, batch_size, microbatch or None)
+def memory_child(name: str, batch_size: int, microbatch: int, workload: str) -> None:
+  compiled, args = build(name, batch_size, microbatch or None, workload)
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM: measure the step, not compilation
   jax.block_until_ready(compiled(*args))
@@ -74,16 +102,20 @@ def memory_child(name: str, batch_size: int, microbatch: int) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="B = 64, one timing round")
-  parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+  parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn")
+  parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.memory_child:
-    name, b, mb = args.memory_child
-    memory_child(name, int(b), int(mb))
+    name, b, mb, workload = args.memory_child
+    memory_child(name, int(b), int(mb), workload)
     return
-  batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (1024, 128, 3)
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, B = {batch_size}, "
-        f"microbatch {microbatch}, {rounds} rounds")
-  built = {name: build(name, batch_size, microbatch) for name in CONFIGS}
+  if args.workload == "gpt2":
+    batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (256, 64, 3)
+  else:
+    batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (1024, 128, 3)
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.workload}, "
+        f"B = {batch_size}, microbatch {microbatch}, {rounds} rounds")
+  built = {name: build(name, batch_size, microbatch, args.workload) for name in CONFIGS}
   times = {name: [] for name in CONFIGS}
   for _ in range(rounds):
     for name, (compiled, step_args) in built.items():
@@ -93,7 +125,8 @@ def main() -> None:
   base = min(times["DP-Muon"])
   for name in CONFIGS:
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", name, str(batch_size), str(microbatch)],
+        [sys.executable, __file__, "--memory-child", name, str(batch_size), str(microbatch),
+         args.workload],
         capture_output=True, text=True, check=True,
     )
     mem = json.loads(out.stdout.strip().splitlines()[-1])

@@ -163,6 +163,7 @@ from dpmuon_jax.text.data import (
 from dpmuon_jax.text.generate import Generation, beam_search, decode_texts, greedy_decode
 from dpmuon_jax.text.gpt2 import (
     GPT2,
+    GPT2_CPU,
     GPT2_SMALL,
     GPT2_TINY,
     GPT2Config,

@@ -161,9 +161,9 @@ _add(
         "e2e_cpu_im", "paper 2 table 2 (E2E), CPU scale", "e2e",
         (DP_MUON, Variant("DP-Muon-IM", "dp_muon_im", {"history": 1, "decay": 0.5})),
         epsilons=(8.0,), sampling_rate=256 / E2E_TRAIN_PAIRS, steps=80, denominator=None,
-        learning_rate=0.02, fallback_learning_rate=0.003, pretrained=False, model="gpt2_tiny",
-        model_overrides={"dim": 64, "num_layers": 2, "num_heads": 2, "max_positions": 192},
-        vocab_size=4096, microbatch_size=64, generate_splits=("test",), scale="cpu",
+        learning_rate=0.02, fallback_learning_rate=0.003, pretrained=False, model="gpt2_cpu",
+        vocab_size=4096, microbatch_size=64, generate_splits=("test",), metric="valid_nll",
+        scale="cpu",
         scaling="a 2-layer, 64-wide GPT-2 (370k parameters) trained FROM SCRATCH instead of "
         "fine-tuning GPT-2 small; GPT-2's BPE cut to its first 4,095 tokens (lossless, from the "
         "public merges only); expected batch 256 (q = 256/42,061) for 80 releases (about half "

@@ -178,15 +178,22 @@ def _plot(path: str, summary: list[dict], exp: TextExperiment) -> None:
   metric = exp.metric if exp.metric == "valid_nll" else (
       "test_bleu" if "test" in exp.generate_splits else "valid_bleu")
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
-  for label in dict.fromkeys(r["variant"] for r in summary):
-    rows = [r for r in summary if r["variant"] == label and f"{metric}_mean" in r]
-    if rows:
+  labels = list(dict.fromkeys(r["variant"] for r in summary if f"{metric}_mean" in r))
+  if len({r["target_epsilon"] for r in summary}) == 1:  # one ε: a bar per variant
+    rows = [next(r for r in summary if r["variant"] == label) for label in labels]
+    ax.bar(range(len(rows)), [r[f"{metric}_mean"] for r in rows],
+           yerr=[r[f"{metric}_std"] for r in rows], capsize=4, tick_label=labels)
+    ax.set_xlabel(f"target ε = {summary[0]['target_epsilon']:g}")
+    if metric == "valid_nll":
+      low = min(r[f"{metric}_mean"] - 3 * r[f"{metric}_std"] for r in rows)
+      ax.set_ylim(0.98 * low, None)
+  else:
+    for label in labels:
+      rows = [r for r in summary if r["variant"] == label and f"{metric}_mean" in r]
       ax.errorbar([r["target_epsilon"] for r in rows], [r[f"{metric}_mean"] for r in rows],
                   yerr=[r[f"{metric}_std"] for r in rows], marker="o", capsize=3, label=label)
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("target ε")
-  ax.set_ylabel(metric)
-  ax.set_title(f"{exp.name} ({exp.dataset}, {len(exp.seeds)} seeds)", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("target ε")
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)
   fig.tight_layout()

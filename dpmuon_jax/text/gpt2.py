@@ -68,6 +68,10 @@ GPT2_TINY = GPT2Config(max_positions=256, dim=128, num_layers=4, num_heads=4)
 """A 4-layer, 128-wide GPT-2 on the full BPE vocabulary (7.26M parameters, 6.43M
 of them the token embedding), for training from scratch on a CPU."""
 
+GPT2_CPU = GPT2Config(vocab_size=4096, max_positions=192, dim=64, num_layers=2, num_heads=2)
+"""A 2-layer, 64-wide GPT-2 on GPT-2's BPE cut to 4,096 tokens (375k parameters):
+the CPU-scale E2E model of ``experiments/text_configs.py`` (``e2e_cpu_im``)."""
+
 
 class CausalSelfAttention(nnx.Module):
   """Multi-head causal self-attention with separate q, k, v and output projections."""

@@ -61,7 +61,15 @@ from dpmuon_jax.spectral.polar_metrics import (
 )
 from dpmuon_jax.text.data import TextDataset, encode_pairs, encode_prompts, load_text_dataset
 from dpmuon_jax.text.generate import beam_search, decode_texts, greedy_decode
-from dpmuon_jax.text.gpt2 import GPT2, GPT2_SMALL, GPT2_TINY, GPT2Config, gpt2_model, lm_loss
+from dpmuon_jax.text.gpt2 import (
+    GPT2,
+    GPT2_CPU,
+    GPT2_SMALL,
+    GPT2_TINY,
+    GPT2Config,
+    gpt2_model,
+    lm_loss,
+)
 from dpmuon_jax.text.hf_weights import load_hf_gpt2
 from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
@@ -77,7 +85,7 @@ LM_OPTIMIZERS = {
 }
 """Optimizers of paper 2's tables; each gets ``routing="paper2"`` and an AdamW fallback."""
 
-MODEL_PRESETS = {"gpt2": GPT2_SMALL, "gpt2_tiny": GPT2_TINY}
+MODEL_PRESETS = {"gpt2": GPT2_SMALL, "gpt2_tiny": GPT2_TINY, "gpt2_cpu": GPT2_CPU}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +176,9 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
     return apply, params, gpt2_config, True
   if config.model not in MODEL_PRESETS:
     raise ValueError(f"Unknown model {config.model!r}; choose from {', '.join(MODEL_PRESETS)}.")
-  gpt2_config = MODEL_PRESETS[config.model]._replace(vocab_size=vocab_size,
-                                                     **config.model_overrides)
+  gpt2_config = MODEL_PRESETS[config.model]._replace(**config.model_overrides)
+  if gpt2_config.vocab_size != vocab_size:
+    gpt2_config = gpt2_config._replace(vocab_size=vocab_size)
   apply, params = gpt2_model(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed)))
   return apply, params, gpt2_config, False
 
