@@ -143,9 +143,9 @@ def run(exp: Experiment, out: str, data_dir: str | None = None, tiny: bool = Fal
         "seconds": time.perf_counter() - start,
     })
     print(json.dumps(rows[-1]), flush=True)
-  _write_csv(os.path.join(out, "runs.csv"), rows, RUN_FIELDS)
+  write_csv(os.path.join(out, "runs.csv"), rows, RUN_FIELDS)
   summary = summarise(rows)
-  _write_csv(os.path.join(out, "summary.csv"), summary, tuple(summary[0]))
+  write_csv(os.path.join(out, "summary.csv"), summary, tuple(summary[0]))
   _plot(os.path.join(out, "accuracy_vs_batch.png"), summary, exp)
   with open(os.path.join(out, "experiment.json"), "w") as f:
     json.dump(dataclasses.asdict(exp), f, indent=2)
@@ -210,10 +210,12 @@ def write_layer_report(exp: Experiment, data: ImageDataset, path: str) -> None:
                    "above_threshold": r.above_threshold,
                    "buffer_above_threshold": r.buffer_above_threshold,
                    "recovery_batch_size": r.recovery_batch_size})
-  _write_csv(path, rows, tuple(rows[0]))
+  write_csv(path, rows, tuple(rows[0]))
 
 
-def _write_csv(path: str, rows: list[dict], fields: tuple[str, ...]) -> None:
+def write_csv(path: str, rows: list[dict], fields: tuple[str, ...] | None = None) -> None:
+  """Rows as CSV; ``fields`` default to every key, in first-seen order."""
+  fields = fields or tuple(dict.fromkeys(k for r in rows for k in r))
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()

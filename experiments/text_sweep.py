@@ -30,6 +30,7 @@ import statistics
 from dpmuon_jax.privacy.sampling import default_capacity
 from dpmuon_jax.spectral.polar_metrics import ProtocolRow, summarise_protocol
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
+from experiments.sweep import write_csv
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment
 
 TINY_MODEL = {"dim": 16, "num_layers": 1, "num_heads": 2, "max_positions": 160}
@@ -104,12 +105,12 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
     if os.path.exists(path):
       with open(path) as f:
         diagnostics += list(csv.DictReader(f))
-  _write_csv(os.path.join(out, "runs.csv"), rows)
+  write_csv(os.path.join(out, "runs.csv"), rows)
   summary = summarise(rows)
-  _write_csv(os.path.join(out, "summary.csv"), summary)
+  write_csv(os.path.join(out, "summary.csv"), summary)
   _plot(os.path.join(out, f"{exp.metric}_vs_epsilon.png"), summary, exp)
   if diagnostics:
-    _write_csv(os.path.join(out, "diagnostics.csv"), diagnostics)
+    write_csv(os.path.join(out, "diagnostics.csv"), diagnostics)
     protocol = summarise_protocol([_protocol_row(d) for d in diagnostics])
     with open(os.path.join(out, "diagnostics.json"), "w") as f:
       json.dump({name: getattr(protocol, name)._asdict()
@@ -159,14 +160,6 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def _slug(label: str) -> str:
   return "".join(c if c.isalnum() else "_" for c in label).strip("_").lower()
-
-
-def _write_csv(path: str, rows: list[dict]) -> None:
-  fields = list(dict.fromkeys(k for r in rows for k in r))
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
 
 
 def _plot(path: str, summary: list[dict], exp: TextExperiment) -> None:
