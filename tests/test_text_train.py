@@ -90,17 +90,6 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
     assert json.load(f)["releases"] == 3
 
 
-@needs_text_data
-def test_k0_inner_momentum_is_dp_muon_and_k1_is_not(tmp_path):
-  run = lambda name, **kw: train_lm(_tiny_config(tmp_path / name, steps=2, eval_every=None,
-                                                 generate_splits=(), **kw))
-  muon = run("muon", optimizer="dp_muon", optimizer_kwargs={})
-  k0 = run("k0", optimizer_kwargs={"history": 0, "fallback_history": 0})
-  k1 = run("k1")
-  assert muon["valid_nll"] == k0["valid_nll"]  # same seed: same samples, same noise
-  assert k1["valid_nll"] != muon["valid_nll"]  # the step-2 query uses θ_1 as well
-
-
 def test_bad_settings_are_refused(tmp_path):
   with pytest.raises(ValueError, match="dp_muon_im"):
     train_lm(_tiny_config(tmp_path, optimizer="dp_muon", diagnostic_steps=(1,)))
