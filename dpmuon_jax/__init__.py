@@ -64,6 +64,7 @@ from dpmuon_jax.privacy.inner_momentum import (
     inner_momentum_query,
     inner_momentum_spec,
     inner_momentum_weights,
+    ordered_history,
     param_history,
 )
 from dpmuon_jax.privacy.keys import KeyStreams, RootKey, root_key, split_streams

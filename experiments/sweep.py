@@ -24,7 +24,6 @@ one (optimizer, batch size) that differ only in the seed compile once.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import os
@@ -36,6 +35,7 @@ import numpy as np
 
 from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.data.loaders import load_dataset
+from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.trainer import TrainConfig, train
 from experiments.configs import EXPERIMENTS, Experiment
 
@@ -211,15 +211,6 @@ def write_layer_report(exp: Experiment, data: ImageDataset, path: str) -> None:
                    "buffer_above_threshold": r.buffer_above_threshold,
                    "recovery_batch_size": r.recovery_batch_size})
   write_csv(path, rows, tuple(rows[0]))
-
-
-def write_csv(path: str, rows: list[dict], fields: tuple[str, ...] | None = None) -> None:
-  """Rows as CSV; ``fields`` default to every key, in first-seen order."""
-  fields = fields or tuple(dict.fromkeys(k for r in rows for k in r))
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
 
 
 def _plot(path: str, summary: list[dict], exp: Experiment) -> None:

@@ -27,10 +27,9 @@ import json
 import os
 import statistics
 
-from dpmuon_jax.privacy.sampling import default_capacity
 from dpmuon_jax.spectral.polar_metrics import ProtocolRow, summarise_protocol
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
-from experiments.sweep import write_csv
+from dpmuon_jax.training.records import write_csv
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment
 
 TINY_MODEL = {"dim": 16, "num_layers": 1, "num_heads": 2, "max_positions": 160}
@@ -78,9 +77,8 @@ def run_config(exp: TextExperiment, variant, epsilon: float, seed: int, out: str
 
 def check_buildable(exp: TextExperiment, out: str, data_dir: str) -> None:
   """Every run's optimizer builds with the experiment's release settings."""
-  capacity = default_capacity(10_000, exp.sampling_rate)
   release = {"l2_clip_norm": exp.clip, "noise_multiplier": 1.0,
-             "denominator": exp.denominator or capacity, "key": 0}
+             "denominator": exp.denominator or 256.0, "key": 0}
   for variant, epsilon, seed in exp.runs():
     lm_optimizer(run_config(exp, variant, epsilon, seed, out, data_dir, None, False), release)
 

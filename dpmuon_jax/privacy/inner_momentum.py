@@ -239,6 +239,15 @@ def find_history(opt_state: Any) -> ParamHistoryState:
   return found
 
 
+def ordered_history(opt_state: Any) -> list[PyTree]:
+  """[θ_{t−1}, θ_{t−2}, …, θ_{t−K_t}] from the ring buffer in ``opt_state``, most recent first."""
+  history = find_history(opt_state)
+  count = int(history.count)
+  slots = jax.tree.leaves(history.states)[0].shape[0]
+  return [jax.tree.map(lambda s, k=k: s[(count - k) % slots], history.states)
+          for k in range(1, min(count, slots) + 1)]
+
+
 def inner_momentum_spec(
     history: int,
     decay: float,

@@ -30,7 +30,6 @@ reports it, and the process's peak RSS) are recorded for the K sweep of §5.3.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -48,7 +47,7 @@ from dpmuon_jax.optimizers_filters import dp_disk_muon
 from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
 from dpmuon_jax.optimizers_muon import dp_muon
 from dpmuon_jax.privacy.accounting import RDP
-from dpmuon_jax.privacy.inner_momentum import find_history
+from dpmuon_jax.privacy.inner_momentum import ordered_history
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
@@ -73,6 +72,7 @@ from dpmuon_jax.text.gpt2 import (
 from dpmuon_jax.text.hf_weights import load_hf_gpt2
 from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
 
 PyTree = Any
@@ -181,15 +181,6 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
     gpt2_config = gpt2_config._replace(vocab_size=vocab_size)
   apply, params = gpt2_model(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed)))
   return apply, params, gpt2_config, False
-
-
-def ordered_history(opt_state: Any) -> list[PyTree]:
-  """[θ_{t−1}, θ_{t−2}, …] from inner momentum's ring buffer (most recent first)."""
-  history = find_history(opt_state)
-  count = int(history.count)
-  slots = jax.tree.leaves(history.states)[0].shape[0]
-  return [jax.tree.map(lambda s, k=k: s[(count - k) % slots], history.states)
-          for k in range(1, min(count, slots) + 1)]
 
 
 def peak_memory() -> dict[str, float]:
@@ -331,18 +322,9 @@ def train_lm(config: LMTrainConfig) -> dict:
     results["nonprivate_diagnostics"] = {
         name: getattr(summary, name)._asdict()
         for name in ("polar_error", "cosine_error", "clipping_residual")}
-    _write_rows(os.path.join(config.output_dir, "diagnostics.csv"),
+    write_csv(os.path.join(config.output_dir, "diagnostics.csv"),
                 [r._asdict() for r in diagnostic_rows])
-  _write_rows(os.path.join(config.output_dir, "history.csv"), history)
+  write_csv(os.path.join(config.output_dir, "history.csv"), history)
   with open(os.path.join(config.output_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2, default=float)
   return results
-
-
-def _write_rows(path: str, rows: list[dict]) -> None:
-  if not rows:
-    return
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=tuple(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)

@@ -17,7 +17,6 @@ non-private and only logged; test-set metrics use the public test split.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -52,6 +51,7 @@ from dpmuon_jax.training.checkpoint import (
     restore_metadata,
     save_checkpoint,
 )
+from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
 
 PyTree = Any
@@ -410,10 +410,7 @@ def _write_outputs(output_dir: str, results: dict, history: list[dict], plot: bo
   with open(os.path.join(output_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   fields = sorted({k for h in history for k in h}, key=lambda k: (k != "step", k))
-  with open(os.path.join(output_dir, "history.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(history)
+  write_csv(os.path.join(output_dir, "history.csv"), history, fields)
   if plot:
     _plot(output_dir, history)
 
