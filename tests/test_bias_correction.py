@@ -7,7 +7,7 @@ import pytest
 
 from dpmuon_jax.optimizers_im import dp_adam_bc, dp_muon_bc
 from dpmuon_jax.privacy.keys import stream_key
-from dpmuon_jax.privacy.query import ClippedSum, ClipStats
+from dpmuon_jax.privacy.query import ClippedSum
 from dpmuon_jax.privacy.release import dp_release
 from dpmuon_jax.spectral.newton_schulz import newton_schulz
 from dpmuon_jax.transforms.bias_correction import (
@@ -124,9 +124,9 @@ def test_dp_adam_bc_subtracts_the_release_noise_variance():
   c, sigma, d, lr = 2.0, 1.5, 40.0, 0.1
   rng = np.random.default_rng(3)
   total = {"w": jnp.asarray(rng.standard_normal(50) * 20, jnp.float32)}
-  clipped = ClippedSum(total, c, ClipStats.zeros())
+  clipped = ClippedSum.assume_clipped(total, c)
   release = dp_release(c, sigma, d, key=11)
-  released, _ = release.update(clipped, release.init(total))  # same key: same noise
+  released, _ = release.update(clipped, release.init(total), total)  # same key: same noise
   opt = dp_adam_bc(lr, c, sigma, d, key=11)
   updates, _ = opt.update(clipped, opt.init(total), total)
   want = -lr * _adam_bc_reference([np.asarray(released["w"])], (sigma * c / d) ** 2)[0]

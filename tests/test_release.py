@@ -121,7 +121,7 @@ def test_release_refuses_a_sum_of_another_sensitivity():
   release = dm.dp_release(C, SIGMA, D, key=9)
   state = release.init({"w": jnp.zeros(3)})
   with pytest.raises(ValueError, match="sensitivity"):
-    release.update(dm.clip_and_sum(g, None, 2 * C), state)
+    release.update(dm.clip_and_sum(g, None, 2 * C), state, {"w": jnp.zeros(3)})
 
 
 def test_release_spec_and_validation():

@@ -42,17 +42,16 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.query import (
     GRADIENT_QUERY,
     ClippedSum,
-    ClipStats,
     LossFn,
     QueryFn,
     clipped_sum,
     zeros_clipped_sum,
 )
-from dpmuon_jax.privacy.release import PrivateTransformation
+from dpmuon_jax.privacy.release import PrivateTransformation, optimizer_clipping
 from dpmuon_jax.privacy.sampling import default_capacity
 from dpmuon_jax.training.step import PrivateStep, StepOutput
 
@@ -108,15 +107,6 @@ def shard_batch(mesh: Mesh, batch: PyTree, mask) -> tuple[PyTree, jax.Array]:
   return jax.device_put((batch, jnp.asarray(mask, jnp.bool_)), sharding)
 
 
-def _psum_clipped_sum(local: ClippedSum) -> ClippedSum:
-  """Σ over the 'data' axis of per-device clipped sums (max for ``norm_max``)."""
-  s = local.stats
-  total = jax.lax.psum(local.total, DATA_AXIS)
-  summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), DATA_AXIS)
-  stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, DATA_AXIS))
-  return ClippedSum(total, local.l2_sensitivity, stats)
-
-
 def make_sharded_private_step(
     optimizer: PrivateTransformation,
     loss_fn: LossFn | None,
@@ -146,12 +136,10 @@ def make_sharded_private_step(
     query = spec.make_query(loss_fn)
   else:
     spec = GRADIENT_QUERY
-  clipping = as_clipping(optimizer.release.l2_clip_norm if clipping is None else clipping)
-  if clipping.l2_clip_norm != optimizer.release.l2_clip_norm:
-    raise ValueError("The clipping bound must equal the release's l2_clip_norm.")
+  clipping = optimizer_clipping(optimizer, clipping)
 
   def local_sum(inputs, batch, mask) -> ClippedSum:
-    return _psum_clipped_sum(clipped_sum(query, inputs, batch, mask, clipping, microbatch_size))
+    return clipped_sum(query, inputs, batch, mask, clipping, microbatch_size).psum(DATA_AXIS)
 
   sharded_sum = jax.shard_map(
       local_sum,

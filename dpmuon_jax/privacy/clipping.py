@@ -93,6 +93,21 @@ class Clipping:
     kind = "automatic" if self.automatic else "clip"
     return f"{'per_layer' if self.per_layer else 'flat'}_{kind}"
 
+  def describe(self) -> dict[str, Any]:
+    """The rule as JSON-able public settings (for records and the privacy certificate)."""
+    out: dict[str, Any] = {"rule": self.name, "l2_clip_norm": self.l2_clip_norm}
+    if self.automatic:
+      out["gamma"] = self.gamma
+    if self.layer_weights is not None:
+      out["layer_weights"] = [float(w) for w in jax.tree.leaves(self.layer_weights)]
+    return out
+
+  def matches(self, other: Clipping) -> bool:
+    """Whether ``other`` is the same rule (layer weights compared by value)."""
+    return isinstance(other, Clipping) and self.describe() == other.describe() and (
+        jax.tree.structure(self.layer_weights) == jax.tree.structure(other.layer_weights)
+    )
+
   def layer_thresholds(self, tree: PyTree) -> PyTree:
     """C_l per leaf, with Σ_l C_l² = C² (per-layer clipping)."""
     if self.layer_weights is None:

@@ -73,19 +73,47 @@ class ClipStats(NamedTuple):
     return self.norm_sum / jnp.maximum(self.num_examples - self.num_nonfinite, 1.0)
 
 
+# Held only by this module: a ClippedSum built with it came from the clipping code below.
+_FROM_CLIPPING = object()
+
+
 @jax.tree_util.register_pytree_node_class
 class ClippedSum:
   """S = Σ_i clip_C(q_i) with its L2 sensitivity C attached as static data.
 
-  The Gaussian release accepts a ``ClippedSum`` only when its sensitivity is
-  the one the release was calibrated for, so an unclipped sum (a plain pytree)
-  can never be mistaken for a clipped one.
+  Only the library's clipping code makes one (:func:`clip_and_sum`,
+  :func:`clipped_sum`, :func:`zeros_clipped_sum`, and sums of those); calling
+  ``ClippedSum(...)`` directly raises ``TypeError``, so a summed, unclipped
+  gradient can never be released by accident as if it were clipped. The
+  Gaussian release accepts a ``ClippedSum`` only when its sensitivity is the
+  one the release was calibrated for.
+
+  To release a sum clipped by your own code, say so explicitly with
+  :meth:`assume_clipped`: you then guarantee the sensitivity yourself.
   """
 
-  def __init__(self, total: PyTree, l2_sensitivity: float, stats: ClipStats):
+  def __init__(self, total: PyTree, l2_sensitivity: float, stats: ClipStats, *, _origin=None):
+    if _origin is not _FROM_CLIPPING:
+      raise TypeError(
+          "A ClippedSum comes from dpmuon_jax's clipping code (clip_and_sum, clipped_sum); "
+          "to vouch for a sum you clipped yourself, use ClippedSum.assume_clipped(...)."
+      )
     self.total = total
     self.l2_sensitivity = float(l2_sensitivity)
     self.stats = stats
+
+  @classmethod
+  def assume_clipped(
+      cls, total: PyTree, l2_sensitivity: float, stats: ClipStats | None = None
+  ) -> ClippedSum:
+    """Wraps a sum whose sensitivity YOU guarantee (no check is possible here).
+
+    Use it only for a sum of per-example vectors each of L2 norm ≤
+    ``l2_sensitivity`` (e.g. clipped by your own ghost-norm code). Releasing
+    anything else with it voids the privacy guarantee.
+    """
+    return cls(total, l2_sensitivity, ClipStats.zeros() if stats is None else stats,
+               _origin=_FROM_CLIPPING)
 
   def tree_flatten(self):
     return (self.total, self.stats), (self.l2_sensitivity,)
@@ -93,7 +121,7 @@ class ClippedSum:
   @classmethod
   def tree_unflatten(cls, aux, children):
     total, stats = children
-    return cls(total, aux[0], stats)
+    return cls(total, aux[0], stats, _origin=_FROM_CLIPPING)
 
   def __add__(self, other: ClippedSum) -> ClippedSum:
     """Adds sums over DISJOINT example sets of the same release (e.g. overflow chunks)."""
@@ -103,7 +131,16 @@ class ClippedSum:
         jax.tree.map(jnp.add, self.total, other.total),
         self.l2_sensitivity,
         self.stats + other.stats,
+        _origin=_FROM_CLIPPING,
     )
+
+  def psum(self, axis_name: str) -> ClippedSum:
+    """Σ over a mapped axis of per-device sums of disjoint rows (max for ``norm_max``)."""
+    s = self.stats
+    total = jax.lax.psum(self.total, axis_name)
+    summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), axis_name)
+    stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))
+    return ClippedSum(total, self.l2_sensitivity, stats, _origin=_FROM_CLIPPING)
 
   def __repr__(self) -> str:
     return f"ClippedSum(l2_sensitivity={self.l2_sensitivity}, total={self.total!r})"
@@ -112,7 +149,7 @@ class ClippedSum:
 def zeros_clipped_sum(like: PyTree, l2_sensitivity: float) -> ClippedSum:
   """An empty clipped sum (no examples) shaped like ``like``."""
   total = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), like)
-  return ClippedSum(total, l2_sensitivity, ClipStats.zeros())
+  return ClippedSum(total, l2_sensitivity, ClipStats.zeros(), _origin=_FROM_CLIPPING)
 
 
 def add_batch_axis(example: PyTree) -> PyTree:
@@ -194,7 +231,7 @@ def clip_and_sum(
       norm_sum=jnp.sum(jnp.where(real_finite, clipped.norm, 0.0)),
       norm_max=jnp.max(jnp.where(real_finite, clipped.norm, 0.0), initial=0.0),
   )
-  return ClippedSum(total, clipping.l2_clip_norm, stats)
+  return ClippedSum(total, clipping.l2_clip_norm, stats, _origin=_FROM_CLIPPING)
 
 
 def clipped_sum(

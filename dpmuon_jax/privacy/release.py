@@ -47,6 +47,8 @@ class GaussianReleaseSpec:
     neighbouring: the adjacency the guarantee is stated for: ``"add_remove"``
       (default; sensitivity C) or ``"replace_one"`` (sensitivity 2C: the
       accountant must then see σ/2).
+    clipping: the rule that bounds each example's query by C (default flat
+      clipping). Every step builder clips with it; asking for another is an error.
   """
 
   l2_clip_norm: float
@@ -54,6 +56,11 @@ class GaussianReleaseSpec:
   denominator: float
   seeded: bool
   neighbouring: str = ADD_REMOVE
+  clipping: Clipping | None = None
+
+  def __post_init__(self):
+    if self.clipping is None:
+      object.__setattr__(self, "clipping", as_clipping(self.l2_clip_norm))
 
   @property
   def noise_std(self) -> float:
@@ -93,9 +100,15 @@ class PrivateTransformation(optax.GradientTransformationExtraArgs):
 
 
 class GaussianReleaseState(NamedTuple):
-  """State of :func:`dp_release`. SECRET: whoever holds it can subtract the noise."""
+  """State of :func:`dp_release`. SECRET: whoever holds it can subtract the noise.
 
-  count: jax.Array  # number of releases made so far (int32)
+  ``count`` is the index of the next noise key, ``fold_in(noise_key, count)``.
+  It only grows: a training loop that resumes after releases it lost skips
+  their indices (:func:`with_noise_counter`) rather than reuse a key on a
+  different clipped sum.
+  """
+
+  count: jax.Array  # index of the next noise key (int32); one per release
   noise_key: jax.Array  # raw uint32 key of the noise stream
 
 
@@ -105,6 +118,53 @@ def gaussian_noise_like(tree: PyTree, key: jax.Array, std: float | jax.Array) ->
   keys = jax.random.split(key, max(len(leaves), 1))
   noise = [std * jax.random.normal(k, jnp.shape(x), jnp.float32) for k, x in zip(keys, leaves)]
   return jax.tree.unflatten(treedef, noise)
+
+
+def _leaf_shapes(tree: PyTree) -> list[tuple[str, tuple[int, ...]]]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(path) or "<root>", tuple(jnp.shape(x))) for path, x in flat]
+
+
+def _check_structure(tree: PyTree, params: PyTree, what: str) -> None:
+  if jax.tree.structure(tree) != jax.tree.structure(params):
+    raise ValueError(
+        f"The release got {what} with tree structure {jax.tree.structure(tree)}, "
+        f"but the parameters have {jax.tree.structure(params)}."
+    )
+
+
+def check_per_example_shapes(per_example: PyTree, params: PyTree) -> int:
+  """Checks that every leaf is ``(B,) + p.shape`` with one B; returns B.
+
+  This is what stops a summed gradient (e.g. a square kernel's rows) from
+  being clipped row by row as if each row were an example.
+  """
+  _check_structure(per_example, params, "per-example queries")
+  batch_sizes = set()
+  for (path, shape), (_, p_shape) in zip(_leaf_shapes(per_example), _leaf_shapes(params)):
+    if shape[1:] != p_shape or len(shape) != len(p_shape) + 1:
+      raise ValueError(
+          f"The release expects per-example queries of shape (B,) + parameter shape; "
+          f"{path} has shape {shape} for a parameter of shape {p_shape}, so (B,) + {p_shape} "
+          "was expected (per-example gradients come from vmap(grad); a summed gradient "
+          "cannot be released)."
+      )
+    batch_sizes.add(shape[0])
+  if len(batch_sizes) > 1:
+    raise ValueError(
+        f"The per-example queries disagree on the batch size B: {sorted(batch_sizes)}."
+    )
+  return batch_sizes.pop() if batch_sizes else 0
+
+
+def check_sum_shapes(total: PyTree, params: PyTree) -> None:
+  """Checks that a clipped sum has exactly the parameters' shapes."""
+  _check_structure(total, params, "a clipped sum")
+  for (path, shape), (_, p_shape) in zip(_leaf_shapes(total), _leaf_shapes(params)):
+    if shape != p_shape:
+      raise ValueError(
+          f"The clipped sum's leaf {path} has shape {shape}, its parameter {p_shape}."
+      )
 
 
 def _validate(l2_clip_norm: float, noise_multiplier: float, denominator: float) -> None:
@@ -134,14 +194,19 @@ def dp_release(
 ) -> PrivateTransformation:
   """The private release G̃ = (Σ_i clip_C(q_i) + N(0, σ²C² I)) / D.
 
-  ``update(updates, state, params=None, *, mask=None)`` accepts either
+  ``update(updates, state, params, *, mask=None)`` needs ``params`` and accepts either
 
-  * per-example queries (e.g. ``vmap(grad)`` output) on a leading batch axis,
-    with an optional boolean ``mask`` over that axis: they are clipped,
-    summed over the real rows, noised and divided by D; or
+  * per-example queries (e.g. ``vmap(grad)`` output): every leaf has shape
+    ``(B,) + p.shape`` for its parameter ``p``, with one B, and an optional
+    boolean ``mask`` of shape ``(B,)``: they are clipped, summed over the real
+    rows, noised and divided by D; or
   * a :class:`~dpmuon_jax.privacy.query.ClippedSum` (from
-    :func:`~dpmuon_jax.privacy.query.clipped_sum`), whose attached
-    sensitivity must equal ``l2_clip_norm``.
+    :func:`~dpmuon_jax.privacy.query.clipped_sum`) with the parameters'
+    shapes, whose attached sensitivity must equal ``l2_clip_norm``.
+
+  Anything else (e.g. a summed gradient, whose rows would be clipped as if
+  they were examples) is refused with a one-line ``ValueError``. The update
+  has exactly the parameters' shapes and dtypes.
 
   Args:
     l2_clip_norm: C.
@@ -168,7 +233,8 @@ def dp_release(
     )
   noise_key, seeded = stream_key(key, "noise")
   spec = GaussianReleaseSpec(
-      float(l2_clip_norm), float(noise_multiplier), float(denominator), seeded, neighbouring
+      float(l2_clip_norm), float(noise_multiplier), float(denominator), seeded, neighbouring,
+      clipping,
   )
   noise_std_on_sum = spec.noise_multiplier * spec.l2_clip_norm
 
@@ -178,6 +244,11 @@ def dp_release(
 
   def update_fn(updates, state, params=None, *, mask=None, **extra_args):
     del extra_args
+    if params is None:
+      raise ValueError(
+          "dp_release needs params (opt.update(per_example_grads, state, params)) to check "
+          "that its input has the parameters' shapes."
+      )
     if isinstance(updates, ClippedSum):
       if mask is not None:
         raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
@@ -186,21 +257,40 @@ def dp_release(
             f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
             f"clipped sum has sensitivity {updates.l2_sensitivity}."
         )
+      check_sum_shapes(updates.total, params)
       clipped = updates
     else:
+      check_per_example_shapes(updates, params)
       clipped = clip_and_sum(updates, mask, clipping)
     step_key = jax.random.fold_in(state.noise_key, state.count)
     noise = gaussian_noise_like(clipped.total, step_key, noise_std_on_sum)
-    like = params if params is not None else clipped.total
     released = jax.tree.map(
         lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
         clipped.total,
         noise,
-        like,
+        params,
     )
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
   return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
+
+
+def optimizer_clipping(
+    optimizer: PrivateTransformation, clipping: Clipping | float | None = None
+) -> Clipping:
+  """The clipping rule a private step must use: the one the optimizer carries.
+
+  ``clipping`` may repeat it (for explicitness); a different rule is refused,
+  so the method that runs is always the one that was requested and recorded.
+  """
+  carried = optimizer.release.clipping
+  if clipping is not None and not carried.matches(as_clipping(clipping)):
+    raise ValueError(
+        f"The optimizer was built with clipping {carried.describe()}; the step was asked for "
+        f"{as_clipping(clipping).describe()}. Build the optimizer with the clipping you want "
+        "(clipping=... in dp_*/make_private)."
+    )
+  return carried
 
 
 def privatize(
@@ -219,4 +309,40 @@ def privatize(
     raise TypeError("privatize needs the transformation returned by dp_release first.")
   return PrivateTransformation.wrap(
       optax.chain(release, *post_processing), release.release, query
+  )
+
+
+def _is_release_state(x: Any) -> bool:
+  return isinstance(x, GaussianReleaseState)
+
+
+def _release_states(opt_state: optax.OptState) -> list[GaussianReleaseState]:
+  leaves = jax.tree.leaves(opt_state, is_leaf=_is_release_state)
+  states = [x for x in leaves if _is_release_state(x)]
+  if len(states) != 1:
+    raise ValueError(
+        f"Expected the state of exactly one dp_release in the optimizer state, found {len(states)}."
+    )
+  return states
+
+
+def noise_counter(opt_state: optax.OptState) -> int:
+  """The index of the next noise key of the (one) release in ``opt_state``."""
+  return int(_release_states(opt_state)[0].count)
+
+
+def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptState:
+  """``opt_state`` with the release's next noise-key index set to ``counter``.
+
+  The index may only move forward: a key index, once used, is never used
+  again (on any clipped sum).
+  """
+  current = noise_counter(opt_state)
+  if counter < current:
+    raise ValueError(f"The noise counter only moves forward ({current} -> {counter} refused).")
+  return jax.tree.map(
+      lambda x: x._replace(count=jnp.asarray(counter, x.count.dtype)) if _is_release_state(x)
+      else x,
+      opt_state,
+      is_leaf=_is_release_state,
   )

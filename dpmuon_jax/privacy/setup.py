@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import optax
 
 from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import ClippedSum, QueryFn, clipped_sum
 from dpmuon_jax.privacy.release import PrivateTransformation, dp_release, privatize
@@ -67,8 +67,7 @@ class PrivateSetup(NamedTuple):
       microbatch_size: int | None = None,
   ) -> ClippedSum:
     """The per-example clipped sum with this setup's clipping (bound C)."""
-    clipping = self.release_kwargs["clipping"]
-    clipping = as_clipping(self.release_kwargs["l2_clip_norm"] if clipping is None else clipping)
+    clipping = self.release.release.clipping
     return clipped_sum(query, query_inputs, batch, mask, clipping, microbatch_size)
 
 

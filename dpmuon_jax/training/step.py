@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.query import (
     GRADIENT_QUERY,
     ClippedSum,
@@ -27,7 +27,7 @@ from dpmuon_jax.privacy.query import (
     clipped_sum,
     zeros_clipped_sum,
 )
-from dpmuon_jax.privacy.release import PrivateTransformation
+from dpmuon_jax.privacy.release import PrivateTransformation, optimizer_clipping
 
 PyTree = Any
 
@@ -81,7 +81,8 @@ def make_private_step(
       combination) is built from it. Give either this or ``query``.
     query: a per-example query ``query(params, example) -> pytree`` used
       instead of the optimizer's (its inputs are the current parameters).
-    clipping: defaults to flat clipping at the release's C.
+    clipping: the optimizer's own clipping rule (``optimizer.release.clipping``)
+      is used; passing a different one is an error.
     microbatch_size: accumulate the clipped sum in chunks of this size.
   """
   if not isinstance(optimizer, PrivateTransformation):
@@ -93,9 +94,7 @@ def make_private_step(
     query = spec.make_query(loss_fn)
   else:
     spec = GRADIENT_QUERY
-  clipping = as_clipping(optimizer.release.l2_clip_norm if clipping is None else clipping)
-  if clipping.l2_clip_norm != optimizer.release.l2_clip_norm:
-    raise ValueError("The clipping bound must equal the release's l2_clip_norm.")
+  clipping = optimizer_clipping(optimizer, clipping)
 
   def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
     inputs = spec.inputs(params, opt_state)
