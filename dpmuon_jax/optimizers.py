@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import (
@@ -21,6 +22,14 @@ from dpmuon_jax.privacy.release import (
     dp_release,
     privatize,
 )
+
+
+def _check_adam(b1: float, b2: float, eps: float, eps_root: float = 0.0) -> None:
+  """Adam's decays in [0, 1) and its epsilons >= 0."""
+  checks.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
+  checks.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+  checks.check_nonnegative("eps", eps)
+  checks.check_nonnegative("eps_root", eps_root)
 
 
 def dp_sgd(
@@ -40,6 +49,9 @@ def dp_sgd(
   Nesterov's look-ahead G̃_t + μ m_t. Paper 1's preset (notes §5.4):
   lr 0.3, momentum 0.9.
   """
+  checks.check_learning_rate("learning_rate", learning_rate)
+  if momentum is not None:
+    checks.check_in_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
   release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
   return privatize(release, optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
 
@@ -62,6 +74,8 @@ def dp_adam(
   m_t = b1 m + (1−b1) G̃_t,  v_t = b2 v + (1−b2) G̃_t²,
   θ ← θ − η m̂_t / (√v̂_t + eps). Paper 1's preset: lr 1e-3, (0.9, 0.999).
   """
+  checks.check_learning_rate("learning_rate", learning_rate)
+  _check_adam(b1, b2, eps, eps_root)
   release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
   return privatize(release, optax.adam(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root))
 
@@ -80,6 +94,9 @@ def dp_adamw(
     neighbouring: str = ADD_REMOVE,
 ) -> PrivateTransformation:
   """DP-AdamW: Adam on G̃_t with decoupled weight decay θ ← θ − η(û_t + λθ)."""
+  checks.check_learning_rate("learning_rate", learning_rate)
+  _check_adam(b1, b2, eps)
+  checks.check_nonnegative("weight_decay", weight_decay)
   release = dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
   return privatize(
       release,

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.optimizers_muon import routed_post_processing
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS, disk_noise_multiplier, disk_query_spec
@@ -130,7 +131,7 @@ def dp_disk_sgd(
     learning_rate: η (paper 1: 0.01 with κ = 1.5).
     l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring:
       the release, see :func:`dpmuon_jax.dp_release`.
-    kappa, gamma: DiSK's κ and γ, any reals with κ ≠ 0; defaults are the DiSK
+    kappa, gamma: DiSK's κ in (0, 2] and γ, any real; defaults are the DiSK
       paper's (0.7, 0.5). Presets in
       :data:`dpmuon_jax.privacy.disk_query.DISK_PRESETS`.
     reference_noise_rescaling: add σ/√(c²+(1−c)²)·C of noise as the reference
@@ -141,6 +142,7 @@ def dp_disk_sgd(
     A :class:`~dpmuon_jax.privacy.release.PrivateTransformation` whose
     ``query`` is DiSK's; ``update`` also accepts plain per-example queries.
   """
+  checks.check_learning_rate("learning_rate", learning_rate)
   sigma = disk_noise_multiplier(noise_multiplier, kappa, gamma, reference_noise_rescaling)
   return _release(
       l2_clip_norm, sigma, denominator, key, clipping, neighbouring,
@@ -172,6 +174,7 @@ def dp_doppler_sgd(
       default paper 1's EMA(0.9). Presets in
       :data:`dpmuon_jax.transforms.filters.DOPPLER_PRESETS`.
   """
+  checks.check_learning_rate("learning_rate", learning_rate)
   return _release(
       l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring,
       low_pass_filter(a, b, bias_correction), optax.sgd(learning_rate),

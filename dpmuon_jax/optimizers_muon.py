@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import ADD_REMOVE, PrivateTransformation, dp_release, privatize
@@ -56,6 +57,23 @@ def fallback_optimizer(
   heavy-ball, as paper 1's DP-SGD), Nesterov optional. ``"adamw"``: AdamW with
   b1 = ``momentum``. Both with decoupled weight decay.
   """
+  checks.check_learning_rate("learning_rate", learning_rate)
+  checks.check_in_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
+  checks.check_nonnegative("weight_decay", weight_decay)
+  checks.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+  checks.check_nonnegative("eps", eps)
+  return _fallback_group(kind, learning_rate, momentum, nesterov, weight_decay, b2, eps)
+
+
+def _fallback_group(
+    kind: str,
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
   if kind == SGD:
     return optax.chain(
         optax.trace(decay=momentum, nesterov=nesterov),
@@ -81,19 +99,26 @@ def routed_post_processing(
   """Muon group: ``muon_post`` → decoupled weight decay → −η; the rest: the fallback.
 
   Shared by every Muon-family optimizer (DP-Muon(-S), DiSK/DOPPLER-Muon,
-  DP-Muon-IM/-BC); the release comes before it, over the whole tree.
+  DP-Muon-IM/-BC); the release comes before it, over the whole tree. It
+  checks the learning rates, momentum and weight decays of both groups.
   """
+  checks.check_learning_rate("learning_rate", learning_rate)
+  checks.check_nonnegative("weight_decay", weight_decay)
+  checks.check_in_range("fallback_momentum", fallback_momentum, 0.0, 1.0, high_inclusive=False)
+  checks.check_nonnegative("fallback_weight_decay", fallback_weight_decay)
   kind = fallback or (ADAMW if routing == "paper2" else SGD)
   if fallback_learning_rate is None:
     if kind == ADAMW:
       raise ValueError("An AdamW fallback group needs its own fallback_learning_rate.")
     fallback_learning_rate = learning_rate
+  else:
+    checks.check_learning_rate("fallback_learning_rate", fallback_learning_rate)
   muon_group = optax.chain(
       muon_post,
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
   )
-  fallback_group = fallback_optimizer(
+  fallback_group = _fallback_group(
       kind, fallback_learning_rate, fallback_momentum, fallback_nesterov, fallback_weight_decay
   )
   return partition_muon(muon_group, fallback_group, routing)

@@ -50,7 +50,6 @@ is our choice for a training run with the same (K, γ) everywhere.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -58,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.query import LossFn, QueryFn, QuerySpec, add_batch_axis
 from dpmuon_jax.transforms.routing import MUON, Routing, muon_labels
 
@@ -141,11 +141,21 @@ def inner_momentum_weights(count: jax.Array, history: int, decay: float, slots: 
   return raw / jnp.sum(raw)
 
 
-def _validate(history: int, decay: float, name: str) -> None:
-  if isinstance(history, bool) or int(history) != history or history < 0:
-    raise ValueError(f"{name} history K must be a non-negative int, got {history!r}.")
-  if not (math.isfinite(decay) and decay >= 0):
-    raise ValueError(f"{name} decay γ must be finite and >= 0, got {decay!r}.")
+def _validate(history: int, decay: float, prefix: str = "") -> None:
+  """K an int >= 0 and γ in (0, 1]: the current state weighs most (γ = 1: a plain average)."""
+  checks.check_nonnegative_int(f"{prefix}history", history)
+  checks.check_in_range(f"{prefix}decay", decay, 0.0, 1.0, low_inclusive=False)
+
+
+def _group_settings(
+    history: int, decay: float, fallback_history: int | None, fallback_decay: float | None
+) -> InnerMomentumSettings:
+  """Both groups' (K, γ), the fallback's defaulting to the Muon group's, validated."""
+  fallback_history = history if fallback_history is None else fallback_history
+  fallback_decay = decay if fallback_decay is None else fallback_decay
+  _validate(history, decay)
+  _validate(fallback_history, fallback_decay, "fallback_")
+  return InnerMomentumSettings(history, decay, fallback_history, fallback_decay)
 
 
 class InnerMomentumInputs(NamedTuple):
@@ -178,10 +188,9 @@ def inner_momentum_query(
     whose history has at least max(K, K′) slots. With K = K′ = 0 this is the
     plain gradient times 1.0, i.e. bit-identical to the standard query.
   """
-  fallback_history = history if fallback_history is None else fallback_history
-  fallback_decay = decay if fallback_decay is None else fallback_decay
-  _validate(history, decay, "Muon")
-  _validate(fallback_history, fallback_decay, "fallback")
+  history, decay, fallback_history, fallback_decay = _group_settings(
+      history, decay, fallback_history, fallback_decay
+  )
   slots = max(history, fallback_history)
   grad_fn = jax.grad(loss_fn)
 
@@ -260,6 +269,7 @@ def inner_momentum_spec(
   Its inputs are (θ_t, the :class:`ParamHistoryState` found in the optimizer
   state): both post-processing of earlier releases, never the noise stream.
   """
+  _group_settings(history, decay, fallback_history, fallback_decay)  # validate eagerly
   make_query: Callable[[LossFn], QueryFn] = lambda loss_fn: inner_momentum_query(
       loss_fn, history, decay, fallback_history, fallback_decay, routing
   )

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dpmuon_jax import checks
 from dpmuon_jax.distributed.sharded import sharded_capacity
 from dpmuon_jax.optimizers_filters import dp_disk_muon
 from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
@@ -154,6 +155,44 @@ class LMTrainConfig:
   diagnostic_examples: int = 32
 
 
+_POSITIVE_INTS = ("steps", "max_length", "eval_batch_size", "beam_size", "max_new_tokens",
+                  "diagnostic_examples")
+_OPTIONAL_POSITIVE_INTS = ("vocab_size", "microbatch_size", "train_subset", "capacity",
+                           "eval_every", "eval_pairs", "generate_groups")
+
+
+def validate_config(config: LMTrainConfig) -> None:
+  """Refuses settings that would make the run meaningless, in one line, before anything loads."""
+  checks.check_positive("learning_rate", config.learning_rate)
+  checks.check_positive("fallback_learning_rate", config.fallback_learning_rate)
+  checks.check_positive("epsilon", config.epsilon)
+  checks.check_in_range("delta", config.delta, 0.0, 1.0, False, False)
+  checks.check_in_range("sampling_rate", config.sampling_rate, 0.0, 1.0, low_inclusive=False)
+  checks.check_positive("clip", config.clip)
+  if config.denominator is not None:
+    checks.check_positive("denominator", config.denominator)
+  checks.check_int("model_seed", config.model_seed)
+  if config.seed is not None:
+    checks.check_int("seed", config.seed)
+  for name in _POSITIVE_INTS:
+    checks.check_positive_int(name, getattr(config, name))
+  for name in _OPTIONAL_POSITIVE_INTS:
+    if getattr(config, name) is not None:
+      checks.check_positive_int(name, getattr(config, name))
+  for step in config.diagnostic_steps:
+    checks.check_nonnegative_int("diagnostic_steps", step)
+  if config.optimizer not in LM_OPTIMIZERS:
+    raise ValueError(
+        f"Unknown optimizer {config.optimizer!r}; choose from {', '.join(LM_OPTIMIZERS)}."
+    )
+  if config.diagnostic_steps and config.optimizer != "dp_muon_im":
+    raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
+                     "they need optimizer='dp_muon_im'.")
+  if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
+    raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
+                     f"{config.microbatch_size}.")
+
+
 def lm_optimizer(config: LMTrainConfig, release_kwargs: dict[str, Any]) -> PrivateTransformation:
   """The configured optimizer with the ``paper2`` routing and its AdamW group."""
   if config.optimizer not in LM_OPTIMIZERS:
@@ -233,12 +272,7 @@ def score_split(apply, params, tokenizer, data: TextDataset, config: LMTrainConf
 def train_lm(config: LMTrainConfig) -> dict:
   """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
   (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``."""
-  if config.diagnostic_steps and config.optimizer != "dp_muon_im":
-    raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
-                     "they need optimizer='dp_muon_im'.")
-  if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
-    raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
-                     f"{config.microbatch_size}.")
+  validate_config(config)
   os.makedirs(config.output_dir, exist_ok=True)
   tokenizer = GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
                             config.vocab_size)

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.keys import KeyLike, stream_key
 from dpmuon_jax.spectral.newton_schulz import Coeffs, CoeffsLike, newton_schulz
 from dpmuon_jax.spectral.scaling import (
@@ -59,6 +60,7 @@ from dpmuon_jax.spectral.scaling import (
     path_names,
 )
 from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL
+from dpmuon_jax.transforms.muon import check_newton_schulz
 
 PyTree = Any
 
@@ -133,10 +135,10 @@ def scale_by_bias_corrected_orthogonalization(
       max_aspect_ratio: as in :func:`dpmuon_jax.scale_by_orthogonalization`,
       except the default coefficients: :data:`KIM_FAN_NS_COEFFS` (see above).
   """
-  if not noise_std >= 0:
-    raise ValueError(f"noise_std must be >= 0, got {noise_std}.")
-  if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
-    raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
+  checks.check_nonnegative("noise_std", noise_std)
+  checks.check_in_range("beta", beta, 0.0, 1.0, high_inclusive=False)
+  checks.check_positive_int("num_samples", num_samples)
+  check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
   buffer_noise_variance(1, beta, buffer, nesterov)  # validate eagerly
   pp_key, _ = stream_key(key, "postprocessing")
   spec_fn = dimension_numbers_fn(dimension_numbers)
@@ -201,10 +203,10 @@ def scale_by_adam_bc(
       added, as in the official code.
     mu_dtype: dtype of the first moment; ``None``: the parameters'.
   """
-  if not noise_variance >= 0:
-    raise ValueError(f"noise_variance must be >= 0, got {noise_variance}.")
-  if not eps_root > 0:
-    raise ValueError(f"eps_root must be > 0 (it floors v̂ − Φ), got {eps_root}.")
+  checks.check_nonnegative("noise_variance", noise_variance)
+  checks.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
+  checks.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+  checks.check_positive("eps_root", eps_root)  # it floors v̂ − Φ
 
   def init_fn(params):
     zeros = lambda dtype: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype or p.dtype), params)

@@ -8,7 +8,8 @@ DiSK (Zhang et al., ICLR 2025, arXiv 2410.03883, §3; research notes §1)::
 
     g_t = (1−κ) g_{t−1} + κ G̃_t,        g_0 = G̃_0            (:func:`kalman_filter`)
 
-Any real κ (the DiSK authors' code default κ = 1.5 extrapolates). DiSK also
+Any κ in (0, 2] (the DiSK authors' code default κ = 1.5 extrapolates); outside
+it |1−κ| > 1 and g_t grows geometrically. DiSK also
 changes the per-example query: it needs the update d_t applied at the previous
 step, which :func:`record_applied_update`, the LAST transform of the chain,
 keeps (see :mod:`dpmuon_jax.privacy.disk_query`).
@@ -34,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from dpmuon_jax import checks
 
 PyTree = Any
 
@@ -77,15 +80,14 @@ def kalman_filter(kappa: float) -> optax.GradientTransformation:
   """DiSK's fixed-gain Kalman correction g_t = (1−κ) g_{t−1} + κ G̃_t, g_0 = G̃_0.
 
   Args:
-    kappa: the gain κ, any real number except 0 (DiSK paper: 0.7; the DiSK
-      authors' code default 1.5 gives g_t = 1.5 G̃_t − 0.5 g_{t−1}).
+    kappa: the gain κ in (0, 2] (DiSK paper: 0.7; the DiSK authors' code
+      default 1.5 gives g_t = 1.5 G̃_t − 0.5 g_{t−1}). Outside it the pole
+      1 − κ lies outside the unit circle and g_t diverges.
 
   Returns:
     An ``optax.GradientTransformation``; outputs have the updates' dtypes.
   """
-  kappa = float(kappa)
-  if not np.isfinite(kappa) or kappa == 0:
-    raise ValueError(f"kappa must be finite and non-zero, got {kappa}.")
+  kappa = checks.check_in_range("kappa", kappa, 0.0, 2.0, low_inclusive=False)
 
   def init_fn(params):
     return KalmanFilterState(jnp.zeros((), jnp.int32), optax.tree.zeros_like(params))
@@ -166,6 +168,12 @@ def _normalised_coefficients(
     raise ValueError(f"Coefficients must be finite, got a={a.tolist()}, b={b.tolist()}.")
   if a[0] == 0:
     raise ValueError("a[0] must be non-zero (lfilter divides a and b by it).")
+  poles = np.abs(np.roots(a)) if a.size > 1 else np.zeros(0)
+  if np.any(poles > 1.0 + 1e-9):
+    raise ValueError(
+        f"a must give poles in the closed unit disk (a stable filter), got a={a.tolist()} "
+        f"with a pole of modulus {poles.max():.6g}."
+    )
   return a / a[0], b / a[0]
 
 
@@ -187,7 +195,8 @@ def low_pass_filter(
   Args:
     a: feedback coefficients [a_0, a_1, …, a_{n_a}] in ``scipy.signal.lfilter``'s
       convention (m_t = −Σ_{i≥1} a_i m_{t−i} + …); like lfilter, a and b are
-      divided by a_0. Default: paper 1's EMA(0.9), a = [1, −0.9].
+      divided by a_0. Default: paper 1's EMA(0.9), a = [1, −0.9]. The poles
+      (roots of a) must lie in the closed unit disk: otherwise m_t diverges.
     b: feedforward coefficients [b_0, …, b_{n_b}]. Default [0.1].
     bias_correction: divide by c_t, the filter's response to a constant 1
       since step 0 (so a constant input is returned unchanged from the first

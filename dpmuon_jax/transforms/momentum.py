@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpmuon_jax import checks
+
 PyTree = Any
 
 EMA = "ema"
@@ -41,7 +43,7 @@ def muon_momentum(
   """Momentum M_t (or its Nesterov look-ahead M̂_t) of the updates, no bias correction.
 
   Args:
-    beta: β.
+    beta: β in [0, 1).
     nesterov: output M̂_t instead of M_t.
     buffer: ``"ema"`` (paper 1: M = βM + (1−β)G̃) or ``"heavy_ball"``
       (M = βM + G̃, the un-normalised buffer).
@@ -50,6 +52,7 @@ def muon_momentum(
   Returns:
     An ``optax.GradientTransformation``; outputs have the updates' dtypes.
   """
+  checks.check_in_range("beta", beta, 0.0, 1.0, high_inclusive=False)
   if buffer not in (EMA, HEAVY_BALL):
     raise ValueError(f"buffer must be {EMA!r} or {HEAVY_BALL!r}, got {buffer!r}.")
   new_weight = 1.0 - beta if buffer == EMA else 1.0

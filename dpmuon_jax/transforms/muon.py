@@ -29,7 +29,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dpmuon_jax.spectral.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike, newton_schulz
+from dpmuon_jax import checks
+from dpmuon_jax.spectral.newton_schulz import (
+    DEFAULT_NS_COEFFS,
+    CoeffsLike,
+    coefficient_schedule,
+    newton_schulz,
+)
 from dpmuon_jax.spectral.power_iteration import exact_top_singular, power_iteration
 from dpmuon_jax.spectral.scaling import (
     DP_MUON_MAX_ASPECT_RATIO,
@@ -53,6 +59,26 @@ def _view(path, leaf, spec_fn):
   return matrix_view(jnp.shape(leaf), spec_fn(path_names(path), leaf))
 
 
+def check_newton_schulz(
+    ns_steps: int, ns_coeffs: CoeffsLike, eps: float, max_aspect_ratio: float | None = None
+) -> None:
+  """Refuses Newton–Schulz settings that cannot orthogonalise, with a one-line ``ValueError``.
+
+  ``ns_steps`` an int >= 1, ``eps`` > 0 (it keeps X₀ = M / (s‖M‖_F + ε)
+  finite for M = 0), finite coefficients with a safety factor s > 0, and
+  ``max_aspect_ratio`` ``None`` or > 0.
+  """
+  steps = checks.check_positive_int("ns_steps", ns_steps)
+  checks.check_positive("eps", eps)
+  rows, safety = coefficient_schedule(ns_coeffs, steps)
+  for row in rows:
+    for coeff in row:
+      checks.check_finite("ns_coeffs", coeff)
+  checks.check_positive("ns_coeffs safety factor", safety)
+  if max_aspect_ratio is not None:
+    checks.check_positive("max_aspect_ratio", max_aspect_ratio)
+
+
 def scale_by_orthogonalization(
     ns_steps: int = 5,
     ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
@@ -71,6 +97,7 @@ def scale_by_orthogonalization(
       :mod:`dpmuon_jax.spectral.scaling`); ``None``: (in…, out) layouts.
     max_aspect_ratio: r_max (4 for DP-Muon); ``None``: no cap.
   """
+  check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
   spec_fn = dimension_numbers_fn(dimension_numbers)
 
   def leaf_update(path, g):
@@ -110,6 +137,8 @@ def scale_by_spectral_orthogonalization(
   exact SVD if ``exact_svd``. The aspect factor is uncapped by default, as
   DESIGN.md states DP-Muon-S.
   """
+  checks.check_positive_int("power_iterations", power_iterations)
+  check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
   spec_fn = dimension_numbers_fn(dimension_numbers)
 
   def init_leaf(path, p):

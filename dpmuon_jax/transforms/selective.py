@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.spectral.diagnostics import DP_MUON_BUFFER, BufferSpec
 from dpmuon_jax.spectral.scaling import (
   DimensionNumbers,
@@ -98,11 +99,11 @@ def selective_orthogonalization(
     orthogonal: the spectral step (default ``scale_by_orthogonalization()``).
     fallback: the step for failing matrices (default identity).
     test: ``"gap"`` (default) or ``"edge"``.
-    margin: multiplies the edge s_t(√m+√n).
+    margin: multiplies the edge s_t(√m+√n); finite and >= 0.
     dimension_numbers: per-leaf matrix views; every leaf must have rank ≥ 2.
   """
-  if not (math.isfinite(noise_std) and noise_std >= 0):
-    raise ValueError(f"noise_std must be >= 0 and finite, got {noise_std}.")
+  checks.check_nonnegative("noise_std", noise_std)
+  checks.check_nonnegative("margin", margin)
   _check_test(test)
   orthogonal = orthogonal or scale_by_orthogonalization(dimension_numbers=dimension_numbers)
   fallback = fallback or optax.identity()
