@@ -137,6 +137,8 @@ def make_sharded_private_step(
   else:
     spec = GRADIENT_QUERY
   clipping = optimizer_clipping(optimizer, clipping)
+  if optimizer.release.secure_noise:
+    raise ValueError("secure_noise draws its noise on the host of a single device; use one device.")
 
   def local_sum(inputs, batch, mask) -> ClippedSum:
     return clipped_sum(query, inputs, batch, mask, clipping, microbatch_size).psum(DATA_AXIS)
@@ -161,7 +163,7 @@ def make_sharded_private_step(
     return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
 
   def empty_overflow(params) -> ClippedSum:
-    return zeros_clipped_sum(params, clipping.l2_clip_norm)
+    return zeros_clipped_sum(params, clipping)
 
   out = replicated(mesh)
   return PrivateStep(

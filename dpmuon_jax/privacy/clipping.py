@@ -72,6 +72,12 @@ class Clipping:
     gamma: the stabiliser of automatic clipping.
     layer_weights: optional pytree (same structure as the query) of positive
       relative thresholds for per-layer clipping.
+    grid_bits: ``None`` (float clipped sums), or k: the secure-noise mode. Each
+      clipped query is rounded to the grid of step γ = C·2⁻ᵏ and the rounded
+      vectors are summed exactly in integers (:func:`round_to_grid`); the
+      release then adds discrete Gaussian noise. Rounding can move a vector of
+      norm ≤ C by up to √d/2 grid steps, so the sensitivity in grid units is
+      2ᵏ + √d/2 (d coordinates), and the noise is scaled to that.
   """
 
   l2_clip_norm: float
@@ -79,6 +85,7 @@ class Clipping:
   automatic: bool = False
   gamma: float = 0.01
   layer_weights: PyTree | None = None
+  grid_bits: int | None = None
 
   def __post_init__(self):
     if not (math.isfinite(self.l2_clip_norm) and self.l2_clip_norm > 0):
@@ -87,6 +94,11 @@ class Clipping:
       raise ValueError(f"automatic clipping needs gamma > 0, got {self.gamma}.")
     if self.layer_weights is not None and not self.per_layer:
       raise ValueError("layer_weights only apply to per-layer clipping.")
+    if self.grid_bits is not None and (
+        isinstance(self.grid_bits, bool) or not isinstance(self.grid_bits, int)
+        or not 8 <= self.grid_bits <= 22
+    ):
+      raise ValueError(f"grid_bits must be an int in [8, 22] or None, got {self.grid_bits!r}.")
 
   @property
   def name(self) -> str:
@@ -100,7 +112,20 @@ class Clipping:
       out["gamma"] = self.gamma
     if self.layer_weights is not None:
       out["layer_weights"] = [float(w) for w in jax.tree.leaves(self.layer_weights)]
+    if self.grid_bits is not None:
+      out["grid_bits"] = self.grid_bits
     return out
+
+  @property
+  def grid_step(self) -> float:
+    """γ = C·2⁻ᵏ, the value of one grid unit (secure-noise mode)."""
+    if self.grid_bits is None:
+      raise ValueError("This clipping rule has no grid (grid_bits=None).")
+    return self.l2_clip_norm / 2**self.grid_bits
+
+  def grid_sensitivity(self, dim: int) -> float:
+    """L2 sensitivity of one rounded clipped query in grid units: 2ᵏ + √d/2."""
+    return 2.0**self.grid_bits + math.sqrt(dim) / 2
 
   def matches(self, other: Clipping) -> bool:
     """Whether ``other`` is the same rule (layer weights compared by value)."""
@@ -166,3 +191,31 @@ def as_clipping(clipping: Clipping | float) -> Clipping:
   if isinstance(clipping, Clipping):
     return clipping
   return flat_clipping(float(clipping))
+
+
+# Rounded queries are summed as two int32 limbs, r = 2⁸·hi + lo with 0 ≤ lo < 2⁸,
+# so sums over up to 2²³ examples are exact without 64-bit integers on the device.
+LIMB_BITS = 8
+
+
+class GridSum(NamedTuple):
+  """An exact integer sum Σ_i r_i = 2⁸·hi + lo of rounded clipped queries (int32 limbs)."""
+
+  hi: jax.Array
+  lo: jax.Array
+
+
+def round_to_grid(clipped: jax.Array, mask: jax.Array, grid_bits: int, l2_clip_norm: float
+                  ) -> GridSum:
+  """Σ_i mask_i · round(ḡ_i / γ) over the leading axis, exactly, as int32 limbs."""
+  scale = 2.0**grid_bits / l2_clip_norm
+  rounded = jnp.round(clipped * scale).astype(jnp.int32)
+  keep = jnp.reshape(mask, mask.shape + (1,) * (rounded.ndim - 1))
+  rounded = jnp.where(keep, rounded, 0)
+  hi = jnp.right_shift(rounded, LIMB_BITS)  # arithmetic shift: floor division by 2⁸
+  lo = jnp.bitwise_and(rounded, 2**LIMB_BITS - 1)
+  return GridSum(jnp.sum(hi, axis=0), jnp.sum(lo, axis=0))
+
+
+def zeros_grid_sum(shape: tuple[int, ...]) -> GridSum:
+  return GridSum(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32))

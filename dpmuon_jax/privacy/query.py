@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping, round_to_grid, zeros_grid_sum
 
 PyTree = Any
 QueryFn = Callable[[PyTree, PyTree], PyTree]
@@ -90,9 +90,14 @@ class ClippedSum:
 
   To release a sum clipped by your own code, say so explicitly with
   :meth:`assume_clipped`: you then guarantee the sensitivity yourself.
+
+  With a grid (``grid_bits``, the secure-noise mode) every leaf of ``total``
+  is a :class:`~dpmuon_jax.privacy.clipping.GridSum` of int32 limbs in grid
+  units instead of a float32 array.
   """
 
-  def __init__(self, total: PyTree, l2_sensitivity: float, stats: ClipStats, *, _origin=None):
+  def __init__(self, total: PyTree, l2_sensitivity: float, stats: ClipStats, *, _origin=None,
+               grid_bits: int | None = None):
     if _origin is not _FROM_CLIPPING:
       raise TypeError(
           "A ClippedSum comes from dpmuon_jax's clipping code (clip_and_sum, clipped_sum); "
@@ -101,6 +106,7 @@ class ClippedSum:
     self.total = total
     self.l2_sensitivity = float(l2_sensitivity)
     self.stats = stats
+    self.grid_bits = grid_bits
 
   @classmethod
   def assume_clipped(
@@ -116,22 +122,24 @@ class ClippedSum:
                _origin=_FROM_CLIPPING)
 
   def tree_flatten(self):
-    return (self.total, self.stats), (self.l2_sensitivity,)
+    return (self.total, self.stats), (self.l2_sensitivity, self.grid_bits)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     total, stats = children
-    return cls(total, aux[0], stats, _origin=_FROM_CLIPPING)
+    return cls(total, aux[0], stats, _origin=_FROM_CLIPPING, grid_bits=aux[1])
 
   def __add__(self, other: ClippedSum) -> ClippedSum:
     """Adds sums over DISJOINT example sets of the same release (e.g. overflow chunks)."""
-    if not isinstance(other, ClippedSum) or other.l2_sensitivity != self.l2_sensitivity:
-      raise ValueError("Only clipped sums with the same sensitivity can be added.")
+    if (not isinstance(other, ClippedSum) or other.l2_sensitivity != self.l2_sensitivity
+        or other.grid_bits != self.grid_bits):
+      raise ValueError("Only clipped sums with the same sensitivity and grid can be added.")
     return ClippedSum(
         jax.tree.map(jnp.add, self.total, other.total),
         self.l2_sensitivity,
         self.stats + other.stats,
         _origin=_FROM_CLIPPING,
+        grid_bits=self.grid_bits,
     )
 
   def psum(self, axis_name: str) -> ClippedSum:
@@ -140,16 +148,22 @@ class ClippedSum:
     total = jax.lax.psum(self.total, axis_name)
     summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), axis_name)
     stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))
-    return ClippedSum(total, self.l2_sensitivity, stats, _origin=_FROM_CLIPPING)
+    return ClippedSum(total, self.l2_sensitivity, stats, _origin=_FROM_CLIPPING,
+                      grid_bits=self.grid_bits)
 
   def __repr__(self) -> str:
     return f"ClippedSum(l2_sensitivity={self.l2_sensitivity}, total={self.total!r})"
 
 
-def zeros_clipped_sum(like: PyTree, l2_sensitivity: float) -> ClippedSum:
-  """An empty clipped sum (no examples) shaped like ``like``."""
-  total = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), like)
-  return ClippedSum(total, l2_sensitivity, ClipStats.zeros(), _origin=_FROM_CLIPPING)
+def zeros_clipped_sum(like: PyTree, clipping: Clipping | float) -> ClippedSum:
+  """An empty clipped sum (no examples) shaped like ``like``, for ``clipping``'s bound and grid."""
+  clipping = as_clipping(clipping)
+  if clipping.grid_bits is None:
+    total = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), like)
+  else:
+    total = jax.tree.map(lambda p: zeros_grid_sum(p.shape), like)
+  return ClippedSum(total, clipping.l2_clip_norm, ClipStats.zeros(), _origin=_FROM_CLIPPING,
+                    grid_bits=clipping.grid_bits)
 
 
 def add_batch_axis(example: PyTree) -> PyTree:
@@ -222,7 +236,13 @@ def clip_and_sum(
   mask = _default_mask(_batch_size(per_example), mask)
   clipped = jax.vmap(clipping.clip)(per_example)
   weight = mask.astype(jnp.float32)
-  total = jax.tree.map(lambda c: jnp.tensordot(weight, c, axes=1), clipped.clipped)
+  if clipping.grid_bits is None:
+    total = jax.tree.map(lambda c: jnp.tensordot(weight, c, axes=1), clipped.clipped)
+  else:
+    total = jax.tree.map(
+        lambda c: round_to_grid(c, mask, clipping.grid_bits, clipping.l2_clip_norm),
+        clipped.clipped,
+    )
   real_finite = mask & clipped.is_finite
   stats = ClipStats(
       num_examples=jnp.sum(weight),
@@ -231,7 +251,8 @@ def clip_and_sum(
       norm_sum=jnp.sum(jnp.where(real_finite, clipped.norm, 0.0)),
       norm_max=jnp.max(jnp.where(real_finite, clipped.norm, 0.0), initial=0.0),
   )
-  return ClippedSum(total, clipping.l2_clip_norm, stats, _origin=_FROM_CLIPPING)
+  return ClippedSum(total, clipping.l2_clip_norm, stats, _origin=_FROM_CLIPPING,
+                    grid_bits=clipping.grid_bits)
 
 
 def clipped_sum(
@@ -279,8 +300,6 @@ def clipped_sum(
     return acc + clip_and_sum(per_example(query_inputs, chunk_batch), chunk_mask, clipping), None
 
   one_example = jax.tree.map(lambda x: x[0], batch)
-  init = zeros_clipped_sum(
-      jax.eval_shape(query, query_inputs, one_example), as_clipping(clipping).l2_clip_norm
-  )
+  init = zeros_clipped_sum(jax.eval_shape(query, query_inputs, one_example), clipping)
   total, _ = jax.lax.scan(accumulate, init, chunked)
   return total

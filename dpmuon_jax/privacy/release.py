@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.experimental import io_callback
 
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.clipping import LIMB_BITS, Clipping, GridSum, as_clipping
+from dpmuon_jax.privacy.discrete_gaussian import (
+    discrete_gaussian_noise_multiplier,
+    sample_discrete_gaussian,
+)
 from dpmuon_jax.privacy.keys import KeyLike, stream_key
 from dpmuon_jax.privacy.query import GRADIENT_QUERY, ClippedSum, QuerySpec, clip_and_sum
 
@@ -61,6 +68,11 @@ class GaussianReleaseSpec:
   def __post_init__(self):
     if self.clipping is None:
       object.__setattr__(self, "clipping", as_clipping(self.l2_clip_norm))
+
+  @property
+  def secure_noise(self) -> bool:
+    """Whether the release adds exact discrete Gaussian noise on an integer grid."""
+    return self.clipping.grid_bits is not None
 
   @property
   def noise_std(self) -> float:
@@ -159,12 +171,61 @@ def check_per_example_shapes(per_example: PyTree, params: PyTree) -> int:
 
 def check_sum_shapes(total: PyTree, params: PyTree) -> None:
   """Checks that a clipped sum has exactly the parameters' shapes."""
+  total = jax.tree.map(lambda g: g.hi if _is_grid_sum(g) else g, total, is_leaf=_is_grid_sum)
   _check_structure(total, params, "a clipped sum")
   for (path, shape), (_, p_shape) in zip(_leaf_shapes(total), _leaf_shapes(params)):
     if shape != p_shape:
       raise ValueError(
           f"The clipped sum's leaf {path} has shape {shape}, its parameter {p_shape}."
       )
+
+
+DEFAULT_GRID_BITS = 16
+# The secure release's entropy source (tests substitute a seeded one).
+_random_bytes = os.urandom
+
+
+def _is_grid_sum(x: Any) -> bool:
+  return isinstance(x, GridSum)
+
+
+def secure_noise_variance(noise_multiplier: float, clipping: Clipping, dim: int) -> int:
+  """σ_Z², the integer variance of the discrete Gaussian noise per grid coordinate.
+
+  One example's rounded query has L2 norm at most Δ = 2ᵏ + √d/2 grid units
+  (:meth:`~dpmuon_jax.privacy.clipping.Clipping.grid_sensitivity`). With
+  σ_Z² = ⌈(σΔ)²⌉, the discrete Gaussian satisfies the same concentrated DP as a
+  continuous Gaussian of multiplier σ_Z/Δ ≥ σ (Canonne, Kamath and Steinke
+  2020, Theorem 15), so the ledger accounts for σ as in the float mode.
+  """
+  delta = clipping.grid_sensitivity(dim)
+  variance = math.ceil((noise_multiplier * delta) ** 2)
+  if variance and discrete_gaussian_noise_multiplier(math.sqrt(variance), delta, dim) < (
+      noise_multiplier
+  ):
+    raise ValueError("The discrete Gaussian noise would be accounted below σ; refusing.")
+  return variance
+
+
+def _secure_release(total: PyTree, params: PyTree, spec: GaussianReleaseSpec) -> PyTree:
+  """(Σ_i r_i + Z)·γ/D with Z ~ N_Z(0, σ_Z²) per coordinate, drawn from OS entropy."""
+  clipping = spec.clipping
+  dim = sum(math.prod(jnp.shape(p)) for p in jax.tree.leaves(params))
+  variance = secure_noise_variance(spec.noise_multiplier, clipping, dim)
+  unit = clipping.grid_step / spec.denominator
+
+  def noisy_sum(grid: GridSum):
+    exact = np.asarray(grid.hi, np.int64) * 2**LIMB_BITS + np.asarray(grid.lo, np.int64)
+    if variance:
+      exact = exact + sample_discrete_gaussian(exact.shape, variance, _random_bytes)
+    return (exact.astype(np.float64) * unit).astype(np.float32)
+
+  def host(total_on_host):
+    return jax.tree.map(noisy_sum, total_on_host, is_leaf=_is_grid_sum)
+
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), params)
+  released = io_callback(host, shapes, total, ordered=False)
+  return jax.tree.map(lambda x, p: x.astype(jnp.result_type(p)), released, params)
 
 
 def _validate(l2_clip_norm: float, noise_multiplier: float, denominator: float) -> None:
@@ -191,6 +252,7 @@ def dp_release(
     key: KeyLike = None,
     clipping: Clipping | None = None,
     neighbouring: str = ADD_REMOVE,
+    secure_noise: bool = False,
 ) -> PrivateTransformation:
   """The private release G̃ = (Σ_i clip_C(q_i) + N(0, σ²C² I)) / D.
 
@@ -219,6 +281,15 @@ def dp_release(
       its bound must equal ``l2_clip_norm``.
     neighbouring: ``"add_remove"`` (default) or ``"replace_one"``; recorded
       for the accountant.
+    secure_noise: resist floating-point attacks on the Gaussian mechanism
+      (Mironov 2012; Jin et al. 2022): clip on an integer grid
+      (``clipping.grid_bits``, default 16), sum exactly in integers and add
+      exact discrete Gaussian noise (Canonne, Kamath and Steinke 2020) drawn
+      from OS entropy on the host, scaled so that the accountant's σ is
+      unchanged (:func:`secure_noise_variance`). The noise is then about
+      1 + √d·2⁻ᵏ⁻¹ times the float mode's, the host draws d integers per
+      release, and releases cannot be replayed. A clipping rule with
+      ``grid_bits`` set selects this mode too. One device only.
 
   Returns:
     A :class:`PrivateTransformation`; its ``release`` attribute describes it.
@@ -227,6 +298,8 @@ def dp_release(
   if neighbouring not in (ADD_REMOVE, REPLACE_ONE):
     raise ValueError(f"neighbouring must be {ADD_REMOVE!r} or {REPLACE_ONE!r}.")
   clipping = as_clipping(l2_clip_norm if clipping is None else clipping)
+  if secure_noise and clipping.grid_bits is None:
+    clipping = dataclasses.replace(clipping, grid_bits=DEFAULT_GRID_BITS)
   if clipping.l2_clip_norm != l2_clip_norm:
     raise ValueError(
         f"clipping bound {clipping.l2_clip_norm} differs from l2_clip_norm {l2_clip_norm}."
@@ -262,6 +335,14 @@ def dp_release(
     else:
       check_per_example_shapes(updates, params)
       clipped = clip_and_sum(updates, mask, clipping)
+    if clipped.grid_bits != clipping.grid_bits:
+      raise ValueError(
+          f"The clipped sum's grid (grid_bits={clipped.grid_bits}) is not the release's "
+          f"({clipping.grid_bits}); build both from the optimizer's clipping rule."
+      )
+    if spec.secure_noise:
+      released = _secure_release(clipped.total, params, spec)
+      return released, GaussianReleaseState(state.count + 1, state.noise_key)
     step_key = jax.random.fold_in(state.noise_key, state.count)
     noise = gaussian_noise_like(clipped.total, step_key, noise_std_on_sum)
     released = jax.tree.map(

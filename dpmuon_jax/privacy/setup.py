@@ -15,15 +15,21 @@ streams.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import optax
 
 from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
-from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping
 from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import ClippedSum, QueryFn, clipped_sum
-from dpmuon_jax.privacy.release import PrivateTransformation, dp_release, privatize
+from dpmuon_jax.privacy.release import (
+    DEFAULT_GRID_BITS,
+    PrivateTransformation,
+    dp_release,
+    privatize,
+)
 from dpmuon_jax.privacy.sampling import PoissonSampler
 
 PyTree = Any
@@ -92,6 +98,7 @@ def make_private(
     capacity: int | None = None,
     denominator: float | None = None,
     noise_multiplier: float | None = None,
+    secure_noise: bool = False,
 ) -> PrivateSetup:
   """From a privacy target to the sampler, release and ledger of one run.
 
@@ -114,6 +121,10 @@ def make_private(
     noise_multiplier: σ; ``None`` (default) calibrates it so that ε after T
       releases is at most ``target_epsilon``. A given σ is used as it is and
       the ledger still stops at ``target_epsilon``.
+    secure_noise: exact discrete Gaussian noise on an integer grid of the
+      clipped sum, from OS entropy (see :func:`~dpmuon_jax.privacy.release.dp_release`);
+      the clipping rule then carries the grid, so every ``dp_*`` optimizer
+      built from ``release_kwargs`` uses it.
 
   Returns:
     A :class:`PrivateSetup`.
@@ -137,6 +148,9 @@ def make_private(
         target_epsilon, target_delta, sampling_rate, steps, accountant
     )
 
+  clipping = as_clipping(l2_clip_norm if clipping is None else clipping)
+  if secure_noise and clipping.grid_bits is None:
+    clipping = dataclasses.replace(clipping, grid_bits=DEFAULT_GRID_BITS)
   root = root_key(key)
   sampler = PoissonSampler(dataset_size, sampling_rate, capacity=capacity, key=root)
   if denominator is None:

@@ -106,6 +106,6 @@ def make_private_step(
     return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
 
   def empty_overflow(params) -> ClippedSum:
-    return zeros_clipped_sum(params, clipping.l2_clip_norm)
+    return zeros_clipped_sum(params, clipping)
 
   return PrivateStep(jax.jit(step), jax.jit(chunk_sum), empty_overflow)
