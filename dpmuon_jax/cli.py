@@ -1,8 +1,10 @@
-"""The ``dpmuon`` command: ``dpmuon train`` and ``dpmuon account``.
+"""The ``dpmuon`` command: ``dpmuon train``, ``dpmuon export``, ``dpmuon account``.
 
     dpmuon train                       # DP-SGD on the embedded digits data, ε = 4
     dpmuon train --dataset cifar10.npz --model cnn --optimizer dp_muon \\
         --epsilon 4 --batch-size 1024 --epochs 5 --seed 42
+    dpmuon export runs/dpmuon          # public params + privacy certificate, no secrets
+    dpmuon export runs/dpmuon --out model/
     dpmuon account --epsilon 4 --delta 1e-5 --sampling-rate 0.02 --steps 2500
     dpmuon account --sigma 1.1 --delta 1e-5 --sampling-rate 0.02 --steps 2500
     dpmuon account --epsilon 4 --dataset-size 50000 --epochs 50 \\
@@ -98,8 +100,21 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--devices", type=_positive_int, default=None,
                      help="data-parallel over this many devices (noise added once to the "
                      "global sum)")
+  train.add_argument("--secure-noise", action="store_true",
+                     help="exact discrete Gaussian noise on an integer grid of the clipped sum, "
+                     "from OS entropy: resists floating-point attacks; one device; see "
+                     "docs/sharp-edges.md")
   train.add_argument("--no-progress", dest="progress", action="store_false")
   train.add_argument("--no-plot", dest="plot", action="store_false")
+
+  export = sub.add_parser(
+      "export",
+      help="publish a run's parameters with a privacy certificate (no keys, no optimizer state)",
+      description="Export the newest intact checkpoint of a training run: params.msgpack "
+      "(usable as --init-weights) and privacy_certificate.json. Checkpoints stay secret.",
+  )
+  export.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of a training run")
+  export.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export)")
 
   sub.add_parser(
       "audit",
@@ -135,6 +150,25 @@ def _train(args: argparse.Namespace) -> int:
       f"ε = {results['epsilon_spent']:.3f} at δ = {results['delta']:g} "
       f"after {results['releases']} releases (σ = {results['noise_multiplier']:.4f}, "
       f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json"
+  )
+  return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+  """Exit status 1 with one line when the run cannot be exported."""
+  from dpmuon_jax.training.export import export_run, load_exported
+
+  try:
+    out = export_run(args.run_dir, args.out)
+    certificate = load_exported(out).certificate
+  except (ValueError, OSError, KeyError) as error:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"dpmuon export: error: {message}", file=sys.stderr)
+    return 1
+  print(
+      f"exported step {certificate['model']['step']} to {out} (params.msgpack, "
+      f"privacy_certificate.json): ε = {certificate['epsilon']:.3f} at "
+      f"δ = {certificate['delta']:g} after {certificate['releases']} releases"
   )
   return 0
 
@@ -186,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     return audit_main(argv[1:])
   args = _parser().parse_args(argv)
   try:
-    return _train(args) if args.command == "train" else _account(args)
+    commands = {"train": _train, "export": _export, "account": _account}
+    return commands[args.command](args)
   except (ValueError, OSError, KeyError) as error:
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     print(f"dpmuon {args.command}: error: {message}", file=sys.stderr)

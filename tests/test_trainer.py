@@ -65,7 +65,7 @@ def test_resume_continues_bit_for_bit_and_refuses_changed_privacy(tmp_path, tiny
     train(_config(tmp_path, "part", resume=True, batch_size=8), tiny_data)
   with pytest.raises(TrainingError, match="Refusing to resume"):
     train(_config(tmp_path, "part", resume=True, noise_multiplier=2.0), tiny_data)
-  with pytest.raises(TrainingError, match="already holds a checkpoint"):
+  with pytest.raises(TrainingError, match="already holds a run"):
     train(_config(tmp_path, "part"), tiny_data)
 
 
@@ -109,3 +109,15 @@ def test_every_registered_optimizer_trains(tmp_path, tiny_data, name):
                   tiny_data)
   assert results["releases"] == 2
   assert np.isfinite(results["final_test_loss"])
+
+
+def test_init_weights_of_another_shape_are_refused(tmp_path, tiny_data):
+  from flax import serialization
+
+  from dpmuon_jax.models.registry import model_and_loss
+
+  other, _ = model_and_loss("cnn", 5, tiny_data.image_shape, seed=0)  # 5 classes, not 3
+  path = tmp_path / "other.msgpack"
+  path.write_bytes(serialization.to_bytes(other.params))
+  with pytest.raises(TrainingError, match="has shape"):
+    train(_config(tmp_path, "init", init_weights=str(path), max_steps=1), tiny_data)

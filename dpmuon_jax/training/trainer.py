@@ -18,6 +18,8 @@ non-private and only logged; test-set metrics use the public test split.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -42,15 +44,18 @@ from dpmuon_jax.distributed.sharded import (
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
+from dpmuon_jax.privacy.release import with_noise_counter
 from dpmuon_jax.privacy.setup import make_private
 from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
-    latest_step,
+    latest_good_step,
     restore_checkpoint,
     restore_metadata,
     save_checkpoint,
 )
+from dpmuon_jax.training.export import export_run
+from dpmuon_jax.training.journal import JournalEntry, append_entry, plan_resume, read_journal
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
 
@@ -99,6 +104,7 @@ class TrainConfig:
   devices: int | None = None  # data-parallel devices; None or 1: one device
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"groups": 8}
   init_weights: str | None = None  # msgpack of a params dict (flax.serialization); None: scratch
+  secure_noise: bool = False  # exact discrete Gaussian noise from OS entropy (one device)
 
   def privacy_config(self, dataset_size: int) -> dict:
     """What must not change between a checkpoint and its resumption."""
@@ -113,6 +119,7 @@ class TrainConfig:
         "clip": self.clip,
         "delta": self.delta,
         "accountant": self.accountant,
+        "secure_noise": self.secure_noise,
     }
 
 
@@ -126,15 +133,36 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
         f"--batch-size must be in [1, {data.num_train}] (the training set size), "
         f"got {config.batch_size}."
     )
-  if not config.epochs > 0:
-    raise TrainingError(f"--epochs must be > 0, got {config.epochs}.")
-  if not config.clip > 0:
-    raise TrainingError(f"--clip must be > 0, got {config.clip}.")
   if config.optimizer not in optimizer_registry.OPTIMIZERS:
     raise TrainingError(
         f"Unknown optimizer {config.optimizer!r}; choose from "
         f"{', '.join(optimizer_registry.OPTIMIZERS)}."
     )
+  from dpmuon_jax import checks
+
+  optional_positive_ints = {
+      "--microbatch-size": config.microbatch_size,
+      "eval_every": config.eval_every,
+      "checkpoint_every": config.checkpoint_every,
+      "--max-steps": config.max_steps,
+      "--devices": config.devices,
+  }
+  try:
+    checks.check_positive("--epochs", config.epochs)
+    checks.check_positive("--clip", config.clip)
+    if config.learning_rate is not None:  # 0 is refused: it would silently mean the preset
+      checks.check_positive("--lr", config.learning_rate)
+    checks.check_in_range("warmup_fraction", config.warmup_fraction, 0.0, 1.0, True, False)
+    if config.noise_multiplier is not None:
+      checks.check_nonnegative("--noise-multiplier", config.noise_multiplier)
+    if config.seed is not None:
+      checks.check_int("--seed", config.seed)
+    checks.check_int("model_seed", config.model_seed)
+    for name, value in optional_positive_ints.items():
+      if value is not None:
+        checks.check_positive_int(name, value)
+  except ValueError as error:
+    raise TrainingError(str(error)) from None
 
 
 def _learning_rate_schedule(config: TrainConfig, total_steps: int) -> optax.Schedule:
@@ -195,13 +223,22 @@ def _initial_params(params: PyTree, path: str | None) -> PyTree:
 
   try:
     with open(path, "rb") as f:
-      return serialization.from_bytes(params, f.read())
+      loaded = serialization.from_bytes(params, f.read())
   except OSError as error:
     raise TrainingError(f"--init-weights: cannot read {path}: {error.strerror}.") from None
   except (ValueError, KeyError, TypeError) as error:
     raise TrainingError(
         f"--init-weights: {path} does not match the model's parameters ({error})."
     ) from None
+  for (where, want), got in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(loaded)
+  ):
+    if np.shape(got) != np.shape(want):
+      raise TrainingError(
+          f"--init-weights: {path} has shape {np.shape(got)} at "
+          f"{jax.tree_util.keystr(where)}, the model needs {np.shape(want)}."
+      )
+  return loaded
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -212,32 +249,102 @@ def _progress(total: int, initial: int, enabled: bool):
   return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
+JOURNAL_NAME = "release_journal.jsonl"
+_FINISHED = ("completed", "budget")
+# TrainConfig fields that change neither the clipped sums nor the trajectory.
+_NOT_FINGERPRINTED = (
+    "output_dir", "resume", "progress", "plot", "eval_every", "checkpoint_every",
+    "max_steps", "log_clip_stats",
+)
+
+
+def run_fingerprint(config: TrainConfig, data: ImageDataset) -> str:
+  """A digest of everything that determines the releases of a run, the data included.
+
+  Two runs with equal fingerprints, resumed from the same checkpoint on the
+  same backend, make bit-identical releases; the release journal replays lost
+  releases only then.
+  """
+  settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_FINGERPRINTED}
+  digest = hashlib.sha256()
+  digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+  for array in (data.x_train, data.y_train):
+    array = np.ascontiguousarray(array)
+    digest.update(f"{array.dtype}{array.shape}".encode())
+    digest.update(array.tobytes())
+  digest.update(f"{jax.__version__} {jax.default_backend()} {_library_version()}".encode())
+  return digest.hexdigest()
+
+
+def _library_version() -> str:
+  try:
+    return importlib.metadata.version("dpmuon-jax")
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def _resume_point(
+    config: TrainConfig, ckpt_dir: str, journal_path: str, dataset_size: int
+) -> tuple[int | None, dict | None]:
+  """The checkpoint step and metadata to resume from (``None`` for a new run)."""
+  has_journal = bool(read_journal(journal_path))
+  step = latest_good_step(ckpt_dir)
+  if not config.resume:
+    if step is not None or has_journal:
+      raise TrainingError(
+          f"{config.output_dir} already holds a run (checkpoints or a release journal): "
+          "pass --resume or choose another --output-dir."
+      )
+    return None, None
+  if step is None:
+    if not has_journal:
+      raise TrainingError(f"--resume: no checkpoint in {ckpt_dir}.")
+    return None, None  # crashed before its first checkpoint: the journal still counts
+  metadata = restore_metadata(ckpt_dir, step)
+  saved, current = metadata["privacy_config"], config.privacy_config(dataset_size)
+  if saved != current:
+    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    raise TrainingError(f"Refusing to resume: the privacy configuration changed {changed}.")
+  saved_seed = metadata["config"].get("seed")
+  if config.seed is not None and config.seed != saved_seed:
+    raise TrainingError(
+        f"Refusing to resume: --seed {config.seed} differs from the run's "
+        f"{'seed ' + str(saved_seed) if saved_seed is not None else 'OS-entropy root key'}; "
+        "resume without --seed or with the same one."
+    )
+  return step, metadata
+
+
+def _finished(config: TrainConfig, metadata: dict) -> dict:
+  """The results of a run that already ended (completed or stopped by its budget)."""
+  ledger = PrivacyLedger.from_json(metadata["ledger"])
+  print(
+      f"The run in {config.output_dir} already finished ({metadata['stop_reason']}) after "
+      f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
+  )
+  path = os.path.join(config.output_dir, "results.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  return {"stop_reason": metadata["stop_reason"], "releases": ledger.count,
+          "epsilon_spent": ledger.epsilon()}
+
+
 def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   """Runs (or resumes) one private training run and returns its results.
 
-  Writes ``results.json``, ``history.csv``, ``curves.png`` and checkpoints
-  under ``config.output_dir``.
+  Writes ``results.json``, ``history.csv``, ``curves.png``, owner-only
+  checkpoints, the release journal and ``export/`` (the parameters and the
+  privacy certificate, nothing secret) under ``config.output_dir``.
   """
   if data is None:
     data = load_dataset(config.dataset, config.data_dir)
   _validate(config, data)
   os.makedirs(config.output_dir, exist_ok=True)
   ckpt_dir = os.path.join(config.output_dir, "checkpoints")
-
-  resume_step = latest_step(ckpt_dir) if config.resume else None
-  if config.resume and resume_step is None:
-    raise TrainingError(f"--resume: no checkpoint in {ckpt_dir}.")
-  if not config.resume and latest_step(ckpt_dir) is not None:
-    raise TrainingError(
-        f"{ckpt_dir} already holds a checkpoint: pass --resume or choose another --output-dir."
-    )
-  metadata = restore_metadata(ckpt_dir, resume_step) if resume_step is not None else None
+  journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
+  resume_step, metadata = _resume_point(config, ckpt_dir, journal_path, data.num_train)
   if metadata is not None:
-    saved = metadata["privacy_config"]
-    current = config.privacy_config(data.num_train)
-    if saved != current:
-      changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-      raise TrainingError(f"Refusing to resume: the privacy configuration changed {changed}.")
     root = RootKey(jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"])
   else:
     root = root_key(config.seed)
@@ -261,6 +368,7 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       key=root,
       accountant=config.accountant,
       noise_multiplier=config.noise_multiplier,
+      secure_noise=config.secure_noise,
       # The padded batch must split evenly into devices × microbatches.
       capacity=sharded_capacity(
           data.num_train, config.batch_size / data.num_train, num_devices, config.microbatch_size
@@ -291,23 +399,46 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       ledger.check_compatible(setup.ledger)
     except ValueError as error:
       raise TrainingError(f"Refusing to resume: {error}") from None
+    if metadata.get("stop_reason") in _FINISHED:
+      return _finished(config, metadata)
     restored = restore_checkpoint(
         ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}), resume_step
     )
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     history = metadata["history"]
 
+  # Releases made after the checkpoint and lost: replay them exactly or charge them.
+  fingerprint = run_fingerprint(config, data)
+  plan = plan_resume(
+      read_journal(journal_path), start,
+      metadata.get("key_index", start) if metadata is not None else 0, fingerprint,
+      # Secure noise comes from OS entropy at every release: it never replays.
+      replayable=(metadata is not None or root.seeded) and not config.secure_noise,
+  )
+  if plan.charge_now:
+    ledger.record(setup.sampler, optimizer, count=plan.charge_now)
+    print(
+        f"{plan.charge_now} release(s) made after the last checkpoint cannot be replayed "
+        f"exactly: charged to the ledger (ε = {ledger.epsilon():.4f}), fresh noise from here."
+    )
+  key_index = plan.key_index
+  opt_state = with_noise_counter(opt_state, key_index)
+
   steps_per_epoch = max(1, round(1 / setup.sampler.sampling_rate))
   eval_every = config.eval_every or steps_per_epoch
   checkpoint_every = config.checkpoint_every or steps_per_epoch
   end = setup.steps if config.max_steps is None else min(setup.steps, config.max_steps)
 
-  def save(step: int) -> None:
+  def save(step: int, stop: str | None = None) -> None:
     meta = {
         "privacy_config": config.privacy_config(data.num_train),
         "ledger": ledger.to_json(),
         "root_key": np.asarray(root.key).tolist(),
         "seeded": bool(root.seeded),
+        "key_index": key_index,
+        "stop_reason": stop,
+        "clipping": optimizer.release.clipping.describe(),
+        "secure_noise": optimizer.release.secure_noise,
         "history": history,
         "config": dataclasses.asdict(config),
     }
@@ -315,18 +446,20 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
 
   bar = _progress(end, start, config.progress)
   stop_reason = "completed" if end == setup.steps else "max_steps"
-  step, started, last_metrics = start, time.perf_counter(), {}
+  step, started = start, time.perf_counter()
   for step in range(start, end):
     if not ledger.can_release(1):
       stop_reason = "budget"
       break
-    step_key = jax.random.fold_in(augmentation_key, step)
+    append_entry(journal_path, JournalEntry(step, key_index, fingerprint))
+    step_key = jax.random.fold_in(augmentation_key, key_index)
     chunks = []
-    for i, chunk in enumerate(setup.sampler.sample(step)):
+    for i, chunk in enumerate(setup.sampler.sample(key_index)):
       mask = jnp.asarray(chunk.mask)
       chunks.append(place(batch_fn(chunk.indices, mask, jax.random.fold_in(step_key, i)), mask))
     out = step_fn(params, opt_state, chunks)
     params, opt_state = out.params, out.opt_state
+    key_index += 1
     ledger.record(setup.sampler, optimizer)
     done = step + 1
     record = {}
@@ -362,17 +495,22 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
         f"Stopped before step {step + 1}: one more release would exceed ε = {config.epsilon} "
         f"(spent {ledger.epsilon():.4f}). Checkpoint saved."
     )
-  steps_done = ledger.count
+  if key_index < plan.replay_until:
+    # Lost releases this run did not redo still happened: charge them, skip their keys.
+    ledger.record(setup.sampler, optimizer, count=plan.replay_until - key_index)
+    key_index = plan.replay_until
+    opt_state = with_noise_counter(opt_state, key_index)
   if bar is not None:
     bar.close()
-  save(steps_done)
+  save(step, stop_reason)
   elapsed = time.perf_counter() - started
-  if not history or history[-1]["step"] != steps_done:
+  if not history or history[-1]["step"] != step:
     test_loss, test_acc = evaluate(params)
-    history.append({"step": steps_done, "epoch": steps_done / steps_per_epoch,
+    history.append({"step": step, "epoch": step / steps_per_epoch,
                     "epsilon": ledger.epsilon(), "test_loss": test_loss, "test_accuracy": test_acc})
-  results = _results(config, setup, ledger, history, stop_reason, elapsed, steps_done - start,
+  results = _results(config, setup, ledger, history, stop_reason, elapsed, step - start,
                      steps_per_epoch, root.seeded)
+  results["export"] = export_run(config.output_dir)  # parameters + certificate, no secrets
   _write_outputs(config.output_dir, results, history, config.plot)
   return results
 
@@ -394,6 +532,8 @@ def _results(config, setup, ledger, history, stop_reason, elapsed, steps_run,
       "planned_steps": setup.steps,
       "stop_reason": stop_reason,
       "seeded": bool(seeded),
+      "secure_noise": setup.release.release.secure_noise,
+      "clipping": setup.release.release.clipping.describe(),
       "seconds_per_epoch": elapsed / max(steps_run, 1) * steps_per_epoch if steps_run else None,
       "initialisation": (
           f"pretrained weights from {config.init_weights}" if config.init_weights

@@ -1,0 +1,306 @@
+"""Publishing a trained model: its parameters and a privacy certificate, no secrets.
+
+A checkpoint is secret (it holds the root key and the release's noise key); an
+export is public by design. :func:`export_model` writes two ordinary (0644)
+files and nothing else:
+
+* ``params.msgpack``: the parameters (``flax.serialization.to_bytes`` of a
+  nested dict of numpy arrays), loadable by the trainer's ``--init-weights``;
+* ``privacy_certificate.json``: ε, δ, σ, q, the number of releases, the
+  accountant, the adjacency, the clipping rule and the scope of the guarantee
+  (:func:`privacy_certificate`), plus the SHA-256 digest of the parameters.
+
+No PRNG key, optimizer state or sampling information is written: the export
+refuses a certificate with key-like entries or uint32 arrays, and parameters
+with uint32 or PRNG-key leaves. :func:`export_run` exports a training run
+directory (``dpmuon export RUN_DIR``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import serialization
+
+from dpmuon_jax.privacy.accounting import PrivacyLedger
+from dpmuon_jax.training.checkpoint import restore_untyped
+
+PyTree = Any
+
+PARAMS_FILE = "params.msgpack"
+CERTIFICATE_FILE = "privacy_certificate.json"
+PUBLIC_FILE_MODE = 0o644
+
+KEY_LIKE_NAMES = ("key", "rng", "seed")
+"""Certificate entries whose name contains one of these are refused (seeds are keys)..."""
+
+ALLOWED_NAMES = frozenset({"seeded", "model_seed"})
+"""...except these: a flag and the public initialisation seed, not key material."""
+
+_ADJACENCY = {
+    "add_remove": "add/remove-one-example",
+    "replace_one": "replace-one-example",
+}
+
+
+class ExportedModel(NamedTuple):
+  """What :func:`load_exported` returns."""
+
+  params: PyTree
+  certificate: dict
+
+
+def _library_version() -> str:
+  try:
+    return importlib.metadata.version("dpmuon-jax")
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def _guarantee(epsilon: float, delta: float, adjacency: str, seeded: bool) -> str:
+  text = (
+      f"({epsilon:.4g}, {delta:g})-differential privacy per run, for "
+      f"{_ADJACENCY.get(adjacency, adjacency)} adjacency of the training set; "
+      "hyperparameter search across runs is not covered; "
+      "non-private statistics (such as logged clipping fractions) are not covered"
+  )
+  if seeded:
+    text += "; the noise came from a user seed, so it holds only while that seed stays secret"
+  return text + "."
+
+
+def privacy_certificate(
+    ledger: PrivacyLedger,
+    *,
+    clipping: dict,
+    seeded: bool,
+    secure_noise: bool = False,
+    model: dict | None = None,
+) -> dict:
+  """The public privacy record of a run, from its ledger.
+
+  Args:
+    ledger: the run's ledger (the releases actually made).
+    clipping: the clipping rule, e.g. ``{"rule": "flat_clip", "l2_clip_norm": 1.0}``
+      (:meth:`~dpmuon_jax.privacy.clipping.Clipping.describe`).
+    seeded: whether the run's randomness came from a user seed (also true
+      when the ledger says so).
+    secure_noise: whether the noise came from a cryptographically secure generator.
+    model: optional public description of the model (architecture, ...).
+
+  Returns:
+    A JSON-able dict: ``epsilon`` spent, ``delta``, ``noise_multiplier`` σ of
+    the release, ``accounting_noise_multiplier`` (σ as the accountant saw
+    it), ``sampling_rate`` q, ``releases``, ``accountant``, ``adjacency``,
+    ``denominator`` D, ``clipping``, ``seeded``, ``secure_noise``,
+    ``library`` and ``guarantee`` (the scope, as a sentence).
+  """
+  c = ledger.config
+  seeded = bool(seeded or ledger.seeded)
+  epsilon = ledger.epsilon()
+  certificate = {
+      "epsilon": epsilon,
+      "delta": c.target_delta,
+      "target_epsilon": c.target_epsilon,
+      "noise_multiplier": c.noise_multiplier,
+      "accounting_noise_multiplier": ledger.accounting_noise_multiplier,
+      "sampling_rate": c.sampling_rate,
+      "releases": ledger.count,
+      "accountant": c.accountant,
+      "adjacency": c.neighbouring,
+      "denominator": c.denominator,
+      "clipping": dict(clipping),
+      "seeded": seeded,
+      "secure_noise": bool(secure_noise),
+      "library": {"name": "dpmuon-jax", "version": _library_version()},
+      "guarantee": _guarantee(epsilon, c.target_delta, c.neighbouring, seeded),
+  }
+  if model is not None:
+    certificate["model"] = dict(model)
+  return certificate
+
+
+def _is_key_array(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  return dtype == np.uint32 or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _check_certificate(tree: Any, where: str = "certificate") -> None:
+  """Raises ValueError at the first key-like entry or uint32 / PRNG-key array."""
+  if _is_key_array(tree):
+    raise ValueError(f"Refusing to export: {where} is a {tree.dtype} array (key material).")
+  if isinstance(tree, Mapping):
+    for name, value in tree.items():
+      lowered = str(name).lower()
+      if lowered not in ALLOWED_NAMES and any(k in lowered for k in KEY_LIKE_NAMES):
+        raise ValueError(f"Refusing to export: {where}[{name!r}] looks like key material.")
+      _check_certificate(value, f"{where}[{name!r}]")
+  elif isinstance(tree, (list, tuple)):
+    for i, value in enumerate(tree):
+      _check_certificate(value, f"{where}[{i}]")
+
+
+def _check_params(params: PyTree) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if _is_key_array(leaf):
+      raise ValueError(
+          f"Refusing to export: parameter {jax.tree_util.keystr(path)} is a {leaf.dtype} "
+          "array (key material, not a parameter)."
+      )
+
+
+def _json_default(value: Any) -> Any:
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    return np.asarray(value).tolist()
+  raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _write_public_file(path: str, data: bytes) -> None:
+  """Writes ``data`` atomically as an ordinary 0644 file."""
+  directory, name = os.path.split(path)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+      os.fchmod(f.fileno(), PUBLIC_FILE_MODE)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def export_model(directory: str, params: PyTree, certificate: dict) -> str:
+  """Writes ``params.msgpack`` and ``privacy_certificate.json`` to ``directory``.
+
+  The certificate gains ``params_sha256``, the digest of ``params.msgpack``.
+
+  Returns:
+    The absolute path of ``directory``.
+
+  Raises:
+    ValueError: if the certificate has an entry whose name contains "key",
+      "rng" or "seed" (other than :data:`ALLOWED_NAMES`) or holds a uint32 or
+      PRNG-key array, or if a parameter is such an array.
+  """
+  _check_certificate(certificate)
+  _check_params(params)
+  data = serialization.to_bytes(jax.tree.map(np.asarray, params))
+  certificate = {**certificate, "params_sha256": hashlib.sha256(data).hexdigest()}
+  try:
+    text = json.dumps(certificate, indent=2, default=_json_default)
+  except TypeError as error:
+    raise ValueError(f"Refusing to export: the certificate is not JSON ({error}).") from None
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  _write_public_file(os.path.join(directory, PARAMS_FILE), data)
+  _write_public_file(os.path.join(directory, CERTIFICATE_FILE), (text + "\n").encode("utf-8"))
+  return directory
+
+
+def _read(path: str) -> bytes:
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path} is missing: not a complete export.") from None
+
+
+def load_exported(directory: str, like: PyTree | None = None) -> ExportedModel:
+  """Reads an export: the parameters and the certificate.
+
+  Args:
+    directory: written by :func:`export_model`.
+    like: optional parameters pytree to restore into (``flax.serialization.
+      from_bytes``); without it, the parameters are a nested dict of numpy arrays.
+
+  Raises:
+    FileNotFoundError: if the directory or one of its two files is missing.
+    ValueError: if the parameters do not match their digest or ``like``.
+  """
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No exported model at {directory} (no such directory).")
+  data = _read(os.path.join(directory, PARAMS_FILE))
+  cert_path = os.path.join(directory, CERTIFICATE_FILE)
+  try:
+    certificate = json.loads(_read(cert_path))
+  except ValueError as error:
+    raise ValueError(f"{cert_path} is not valid JSON ({error}).") from None
+  expected = certificate.get("params_sha256")
+  if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+    raise ValueError(
+        f"{os.path.join(directory, PARAMS_FILE)} does not match the digest in {cert_path}."
+    )
+  try:
+    params = (
+        serialization.msgpack_restore(data)
+        if like is None
+        else serialization.from_bytes(like, data)
+    )
+  except (ValueError, KeyError, TypeError) as error:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise ValueError(f"{directory}: the parameters do not match ({message}).") from None
+  return ExportedModel(params, certificate)
+
+
+def _public_dataset_name(dataset: str) -> str:
+  """A dataset's name, without the local directories of a file path."""
+  return os.path.basename(dataset) if os.sep in dataset else dataset
+
+
+def export_run(run_dir: str, out_dir: str | None = None) -> str:
+  """Exports the newest intact checkpoint of a training run directory.
+
+  Reads only the parameters and the metadata of ``run_dir/checkpoints``
+  (never the optimizer state) and writes them with their certificate to
+  ``out_dir`` (default ``run_dir/export``).
+
+  Returns:
+    The absolute path of the export.
+
+  Raises:
+    FileNotFoundError: if ``run_dir`` is missing or holds no checkpoint.
+    DamagedCheckpointError: if no intact checkpoint is left.
+  """
+  if not os.path.isdir(run_dir):
+    raise FileNotFoundError(f"No training run at {run_dir} (no such directory).")
+  ckpt_dir = os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(ckpt_dir):
+    raise FileNotFoundError(f"No training run at {run_dir} (no checkpoints directory).")
+  checkpoint = restore_untyped(ckpt_dir)
+  metadata = checkpoint.metadata
+  ledger = PrivacyLedger.from_json(metadata["ledger"])
+  config = metadata.get("config") or {}
+  clipping = metadata.get("clipping") or {
+      "rule": "flat_clip",
+      "l2_clip_norm": config.get("clip", ledger.config.l2_clip_norm),
+  }
+  model = {"step": checkpoint.step}
+  if "model" in config:
+    model["architecture"] = config["model"]
+    model["overrides"] = config.get("model_overrides") or {}
+  if "dataset" in config:
+    model["dataset"] = _public_dataset_name(str(config["dataset"]))
+  if "init_weights" in config:
+    model["pretrained_initialisation"] = config["init_weights"] is not None
+  certificate = privacy_certificate(
+      ledger,
+      clipping=clipping,
+      seeded=bool(metadata.get("seeded", ledger.seeded)),
+      secure_noise=bool(metadata.get("secure_noise", False)),
+      model=model,
+  )
+  out_dir = os.path.join(run_dir, "export") if out_dir is None else out_dir
+  return export_model(out_dir, checkpoint.params, certificate)

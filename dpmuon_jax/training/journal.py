@@ -1,0 +1,119 @@
+"""A write-ahead journal of releases: no noise key meets two sums, no release escapes the ledger.
+
+Every release uses the key index k of one counter that only grows: the
+release's noise key is ``fold_in(noise_stream, k)``, and the Poisson sample and
+the augmentation of that release are drawn with the same index. Before release
+k the training loop appends one line ``{"step", "key_index", "fingerprint"}``
+to the journal and syncs it to disk, so a release can be made only after its
+record exists. A checkpoint stores the next key index K.
+
+Resuming from a checkpoint, the journal's entries with key index ≥ K are the
+releases made after that checkpoint and lost with the crash. They may have
+been observed (logs, a model copied mid-run), so they count:
+
+* **Replay.** When they were made from this checkpoint's step, with key
+  indices K, K+1, … and the same fingerprint as the resumed run (a digest of
+  every setting that determines the clipped sums and the trajectory, the data
+  included), the resumed run recomputes exactly the same releases with the
+  same keys: nothing new is revealed, and each is charged once, as it is
+  redone. Any that the resumed run does not redo are charged when it stops.
+* **Fresh keys.** Otherwise (a setting such as augmentation changed, the data
+  changed, or the noise is not replayable) the lost releases are charged to
+  the ledger at once, and the key index jumps past the largest one used, so no
+  key is ever used on a different clipped sum.
+
+A torn last line (a crash while appending) is treated as a release that
+happened: its record was being written, so the release may have followed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple
+
+
+class JournalEntry(NamedTuple):
+  """The record written before one release."""
+
+  step: int  # position in the training schedule the release was made at
+  key_index: int  # index of the noise / sampling / augmentation keys it used
+  fingerprint: str  # digest of everything that determined the release
+
+
+class ResumePlan(NamedTuple):
+  """How a run continues from a checkpoint, given the journal.
+
+  Attributes:
+    key_index: the first key index the resumed run uses.
+    charge_now: lost releases to add to the ledger before continuing.
+    replay_until: key indices below this are replays of lost releases; when the
+      run stops before reaching it, the rest are charged then.
+  """
+
+  key_index: int
+  charge_now: int
+  replay_until: int
+
+
+def append_entry(path: str, entry: JournalEntry) -> None:
+  """Appends ``entry`` as one JSON line and syncs it to disk before returning."""
+  line = json.dumps(entry._asdict(), sort_keys=True) + "\n"
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+  try:
+    os.write(fd, line.encode())
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def read_journal(path: str) -> list[JournalEntry]:
+  """The journal's entries; a torn last line becomes an entry of unknown fingerprint."""
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  entries = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      entries.append(JournalEntry(**json.loads(line)))
+    except (ValueError, TypeError):
+      if number < len(lines) - 1:
+        raise ValueError(f"{path}: line {number} is not a journal entry.") from None
+      # Torn while being written: count a release after the last good one.
+      last = max((e.key_index for e in entries), default=-1)
+      entries.append(JournalEntry(-1, last + 1, "torn"))
+  return entries
+
+
+def plan_resume(
+    entries: list[JournalEntry],
+    checkpoint_step: int,
+    checkpoint_key_index: int,
+    fingerprint: str,
+    replayable: bool = True,
+) -> ResumePlan:
+  """Decides whether the releases lost after a checkpoint are replayed or charged.
+
+  Args:
+    entries: the journal (:func:`read_journal`).
+    checkpoint_step: the schedule step of the checkpoint resumed from.
+    checkpoint_key_index: the next key index stored in that checkpoint.
+    fingerprint: the resumed run's fingerprint.
+    replayable: False when releases cannot be recomputed bit for bit (noise
+      from OS entropy at every release): lost releases are then always charged.
+  """
+  start = checkpoint_key_index
+  lost = {e.key_index: e for e in entries if e.key_index >= start}
+  if not lost:
+    return ResumePlan(start, 0, start)
+  indices = sorted(lost)
+  same = replayable and indices == list(range(start, start + len(indices))) and all(
+      lost[k].fingerprint == fingerprint and lost[k].step == checkpoint_step + (k - start)
+      for k in indices
+  )
+  if same:
+    return ResumePlan(start, 0, start + len(indices))
+  return ResumePlan(indices[-1] + 1, len(indices), indices[-1] + 1)
