@@ -139,3 +139,49 @@ def test_a_journal_without_checkpoint_is_not_overwritten(tmp_path, tiny_data):
   append_entry(os.path.join(config.output_dir, JOURNAL_NAME), JournalEntry(0, 0, "x"))
   with pytest.raises(TrainingError, match="already holds a run"):
     train(config, tiny_data)
+
+
+_CHILD = """
+import numpy as np, sys
+from dpmuon_jax.data.images import ImageDataset
+from dpmuon_jax.training.trainer import TrainConfig, train
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
+y = rng.integers(0, 3, size=(80,))
+data = ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
+train(TrainConfig(model="cnn", dataset="tiny", epsilon=50.0, delta=1e-3, batch_size=16,
+                  epochs=200, seed=3, output_dir=sys.argv[1], progress=False, plot=False,
+                  learning_rate=0.1, checkpoint_every=3), data)
+"""
+
+
+def test_a_killed_run_resumed_with_augmentation_never_reuses_a_key(tmp_path, tiny_data):
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  output_dir = str(tmp_path / "killed")
+  journal = os.path.join(output_dir, JOURNAL_NAME)
+  child = subprocess.Popen([sys.executable, "-c", _CHILD, output_dir],
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  try:
+    deadline = time.time() + 240
+    while len(read_journal(journal)) < 8 and child.poll() is None and time.time() < deadline:
+      time.sleep(0.05)
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+  made = {e.key_index for e in read_journal(journal)}
+  assert len(made) >= 8
+  resumed = train(TrainConfig(model="cnn", dataset="tiny", epsilon=50.0, delta=1e-3,
+                              batch_size=16, epochs=200, seed=3, output_dir=output_dir,
+                              progress=False, plot=False, learning_rate=0.1,
+                              checkpoint_every=3, resume=True, augment=True,
+                              max_steps=max(made) + 3), tiny_data)
+  assert _keys_meet_one_sum(output_dir)
+  used = {e.key_index for e in read_journal(journal)}
+  # Every release ever journaled is in the ledger, and the noise counter is past all of them.
+  assert resumed["releases"] == len(used) == max(used) + 1
+  config = _config(tmp_path, "killed", epsilon=50.0, epochs=200)
+  assert noise_counter(_final(output_dir, tiny_data, config).opt_state) == max(used) + 1
