@@ -1,4 +1,4 @@
-"""Cost of DiSK-Muon and DOPPLER-Muon relative to DP-Muon on the small CNN (issue 5), CPU.
+"""Cost of DiSK-Muon and DOPPLER-Muon relative to DP-Muon on the small CNN, CPU.
 
     python benchmarks/bench_filters.py            # B = 1024, microbatch 128
     python benchmarks/bench_filters.py --quick    # B = 128, microbatch 32 (smoke run)

@@ -1,4 +1,4 @@
-"""Cost of the private release on the small CNN (issue 2), CPU.
+"""Cost of the private release on the small CNN, CPU.
 
     python benchmarks/bench_release.py            # full run (~10 min on 2 cores)
     python benchmarks/bench_release.py --quick    # smoke run (~1–2 min)

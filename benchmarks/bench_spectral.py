@@ -1,4 +1,4 @@
-"""Spectral benchmarks (issue 3). Not a test: prints numbers measured side by side in one run.
+"""Spectral benchmarks. Not a test: prints numbers measured side by side in one run.
 
 1. Newton–Schulz time: ``dpmuon_jax.newton_schulz`` vs ``optax.contrib``'s
    ``orthogonalize_via_newton_schulz`` vs the exact polar factor U Vᵀ by SVD,

@@ -1,4 +1,4 @@
-"""Prepared accelerator check for the spectral optimizers (issue 3); ≤ 5 minutes on one GPU.
+"""Prepared accelerator check for the spectral optimizers; ≤ 5 minutes on one GPU.
 
 1. Newton–Schulz accuracy on the device, float32 (default and HIGHEST matmul
    precision; GPUs may use TF32 by default) and bfloat16, against the float64

@@ -1,7 +1,7 @@
 """Complete private optimizers: the Gaussian release, then post-processing.
 
-Every name here that starts with ``dp_`` contains the release (DESIGN.md,
-invariant 7): ``update`` takes per-example gradients on a leading batch axis
+Every name here that starts with ``dp_`` contains the release (privacy
+invariant 7, docs/design.md): ``update`` takes per-example gradients on a leading batch axis
 (with ``mask=``) or a :class:`~dpmuon_jax.privacy.query.ClippedSum`, privatises
 them once, and hands G̃_t to the post-processing. The post-processing alone is
 plain Optax (``optax.sgd``, ``optax.adam``, ...) or one of this library's
@@ -46,8 +46,9 @@ def dp_sgd(
   """DP-SGD (Abadi et al. 2016): θ ← θ − η·m_t with m_t = μ m_{t−1} + G̃_t.
 
   ``momentum=None`` is plain DP-SGD (m_t = G̃_t); ``nesterov=True`` uses
-  Nesterov's look-ahead G̃_t + μ m_t. Paper 1's preset (notes §5.4):
-  lr 0.3, momentum 0.9.
+  Nesterov's look-ahead G̃_t + μ m_t. Preset of paper 1 ("Spectral Gradient
+  Orthogonalization Improves Differentially Private Training at Scale", its
+  reported hyperparameters): lr 0.3, momentum 0.9.
   """
   checks.check_learning_rate("learning_rate", learning_rate)
   if momentum is not None:

@@ -15,8 +15,9 @@ filters are elementwise and linear, so this equals filtering each group
 separately; one state covers both groups, and both are smoothed, as DiSK-SGD
 and DOPPLER-SGD smooth every parameter.
 
-How a filter composes with Muon is not specified by paper 1 (notes FLAG F1.4),
-so it is the option ``composition``:
+How a filter composes with Muon is not specified by paper 1 ("Spectral Gradient
+Orthogonalization Improves Differentially Private Training at Scale"), so it is
+the option ``composition``:
 
 * ``"replace"``: the filter output replaces Muon's momentum:
   Ĝ_t = aspect · NS₅(F_t), and the fallback group takes F_t without momentum
@@ -30,7 +31,7 @@ so it is the option ``composition``:
   filter on DP-Muon", and paper 2's KF baselines "apply DiSK's simplified
   Kalman filter before optimizer updates".
 
-Paper 1's learning rates (Table 15; notes §5.4): DiSK-SGD 0.01 (κ = 1.5),
+Paper 1's learning rates (Table 15): DiSK-SGD 0.01 (κ = 1.5),
 DOPPLER-SGD 3.0 (EMA 0.9), DOPPLER-Muon 0.02; DiSK-Muon's is not printed
 (0.02, DP-Muon's, is the natural start).
 """
@@ -135,8 +136,8 @@ def dp_disk_sgd(
       paper's (0.7, 0.5). Presets in
       :data:`dpmuon_jax.privacy.disk_query.DISK_PRESETS`.
     reference_noise_rescaling: add σ/√(c²+(1−c)²)·C of noise as the reference
-      code does (FLAG F1.1) instead of exactly σC. Off by default; the ledger
-      accounts whatever is added.
+      code (Opacus, KalmanDP) does instead of exactly σC. Off by default; the
+      ledger accounts whatever is added.
 
   Returns:
     A :class:`~dpmuon_jax.privacy.release.PrivateTransformation` whose

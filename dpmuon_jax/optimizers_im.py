@@ -5,7 +5,7 @@
     DP-AdamBC   release, Adam with the noise variance Φ = (σC/D)² removed from v̂
 
 Each is ONE release over the whole tree followed by post-processing
-(DESIGN.md, invariant 7). DP-Muon-IM changes only the query: its
+(privacy invariant 7, docs/design.md). DP-Muon-IM changes only the query: its
 ``optimizer.query`` (used by :func:`dpmuon_jax.make_private_step`) reads the
 past states from the :func:`~dpmuon_jax.privacy.inner_momentum.param_history`
 transform in its chain; each example still contributes one clipped vector.
@@ -137,9 +137,9 @@ def dp_muon_bc(
   M_t = β M_{t−1} + G̃_t (heavy-ball), then
   Ĝ = aspect · [2 NS(M_t) − E_Z NS(M_t + s_t Z)] with s_t² = (σC/D)² Σ_{j<t} β^{2j}
   the exact per-entry noise variance of the buffer after t releases, Z from
-  the post-processing stream of ``key`` (research notes §4a; see
+  the post-processing stream of ``key`` (see
   :func:`dpmuon_jax.scale_by_bias_corrected_orthogonalization`). Kim & Fan's
-  own estimator, κ, q and β were not available (FLAG F4.1); β = 0.95 makes
+  own estimator, κ, q and β were not available; β = 0.95 makes
   the buffer DP-Muon's without look-ahead (NS is scale-invariant). Newton–
   Schulz defaults to Kim & Fan's convergent quintic (1.875, −1.25, 0.375):
   with Keller Jordan's coefficients the correction does not reduce the bias
@@ -177,7 +177,7 @@ def dp_adam_bc(
     clipping: Clipping | None = None,
     neighbouring: str = ADD_REMOVE,
 ) -> PrivateTransformation:
-  """DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024; research notes §4b).
+  """DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024).
 
   θ ← θ − η (m̂_t / sqrt(max(v̂_t − Φ, eps_root)) + λθ), Φ = (σC/D)² read from
   the release (D, not the realised batch size). Defaults are the official

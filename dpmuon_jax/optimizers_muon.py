@@ -5,12 +5,14 @@
     fallback group:  θ ← θ − η′_t · (u_t + λ′ θ)          u_t: DP-SGD momentum or Adam
 
 The release happens once, on the whole parameter tree, before the partition
-into groups (DESIGN.md, invariant 7); everything after it is post-processing.
-Weight decay is decoupled (not fed into the momentum) and, as in Keller
-Jordan's Muon, multiplied by the learning rate.
+into groups (privacy invariant 7, docs/design.md); everything after it is
+post-processing. Weight decay is decoupled (not fed into the momentum) and, as
+in Keller Jordan's Muon, multiplied by the learning rate.
 
-Paper 1's presets (research notes §5.4; CIFAR-10 WRN-16-4, 50 epochs, ε = 4,
-cosine decay with 5% warm-up, e.g. ``optax.warmup_cosine_decay_schedule``):
+Paper 1's presets (paper 1: "Spectral Gradient Orthogonalization Improves
+Differentially Private Training at Scale", its reported hyperparameters;
+CIFAR-10 WRN-16-4, 50 epochs, ε = 4, cosine decay with 5% warm-up, e.g.
+``optax.warmup_cosine_decay_schedule``):
 
 ======================  =======  ====  ============================
 method                  lr       β     post-processing

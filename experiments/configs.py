@@ -1,4 +1,7 @@
-"""One config per table row of paper 1 (notes §5.4), full scale and CPU scale.
+"""One config per table row of paper 1, full scale and CPU scale.
+
+Paper 1 is "Spectral Gradient Orthogonalization Improves Differentially Private
+Training at Scale"; its learning rates are its reported hyperparameters.
 
 Protocol (paper 1): ε = 4, δ = 1e-5, σ recalibrated for every batch size B
 at a fixed number of epochs, seeds 42–44, cosine learning rate with 5% warm-up,
@@ -86,7 +89,7 @@ _add(
     _full("temporal_ablation", "paper 1 ablation table", "cifar10", "wrn16_4",
           ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
            "dp_doppler_muon"), (256, 1024, 4096)),
-    # CIFAR-100 crossover sweep (tuned CIFAR-100 learning rates, notes §5.4).
+    # CIFAR-100 crossover sweep (paper 1's tuned CIFAR-100 learning rates).
     _full("cifar100_crossover", "paper 1 CIFAR-100 crossover", "cifar100", "wrn16_4",
           ("dp_sgd", "dp_adam", "dp_muon", "dp_muon_s"), (256, 1024, 2048, 4096, 8192),
           learning_rates={**PAPER1_LR, "dp_sgd": 1.0, "dp_adam": 0.01, "dp_muon": 0.1,
@@ -101,7 +104,7 @@ _add(
 )
 
 _add(
-    # The CPU-scale phase transition on real CIFAR-10 (issue 6, item 2).
+    # The CPU-scale phase transition on real CIFAR-10.
     Experiment(
         "cpu_phase_transition", "paper 1 main table, CPU scale", "cifar10.npz", "cnn",
         ("dp_sgd", "dp_muon"), (128, 256, 512, 1024), epochs=3, augment=False,
@@ -113,7 +116,7 @@ _add(
     ),
 )
 
-# CPU-scale versions of the other tables (issue 6). Convolutional models use
+# CPU-scale versions of the other tables. Convolutional models use
 # ``conv_impl="patches"`` (the same function as ``lax.conv``; per-example
 # kernel gradients are matmuls, fast on XLA:CPU). Measured wall times (2 shared
 # CPU cores, a fresh ``--compilation-cache``): experiments/results/README.md.

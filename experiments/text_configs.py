@@ -156,7 +156,7 @@ _add(
 )
 
 _add(
-    # The CPU-scale comparison (issue 8): a small GPT-2 from scratch on E2E.
+    # The CPU-scale comparison: a small GPT-2 from scratch on E2E.
     TextExperiment(
         "e2e_cpu_im", "paper 2 table 2 (E2E), CPU scale", "e2e",
         (DP_MUON, Variant("DP-Muon-IM", "dp_muon_im", {"history": 1, "decay": 0.5})),

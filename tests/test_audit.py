@@ -18,7 +18,7 @@ def _deterministic_normal(mu, n):
 
 
 def _naive_p_value(m, r, v, eps, delta):
-  """Notes §7.1 step 5, term by term."""
+  """The one-run p-value (Steinke, Nasr & Jagielski 2023, Theorem 3.3), term by term."""
   q = np.exp(eps) / (1 + np.exp(eps))
   beta = sum(scipy.stats.binom.pmf(j, r, q) for j in range(v, r + 1))
   alpha = max(
@@ -48,7 +48,7 @@ def test_epsilon_counts_is_where_p_value_crosses_significance():
 
 @pytest.mark.parametrize("shift,expected", [(1, 1.13346), (2, 2.311945), (4, 4.395568)])
 def test_epsilon_one_run_reproduces_jax_privacy(shift, expected):
-  """jax_privacy auditing_test.test_epsilon_one_run_close (notes §7.1 (b))."""
+  """jax_privacy auditing_test.test_epsilon_one_run_close."""
   n = 10_000
   eps = epsilon_one_run(_deterministic_normal(shift, n), _deterministic_normal(0, n), 0.05, 1e-6)
   np.testing.assert_allclose(eps, expected, rtol=1e-5)

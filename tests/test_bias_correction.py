@@ -39,7 +39,7 @@ def test_buffer_noise_variance_is_exact_at_every_step(buffer, w, nesterov, t):
 
 
 def test_buffer_noise_variance_steady_state_matches_notes():
-  # research notes §4a: std 0.160 s₀ (EMA) and 0.174 s₀ (Nesterov look-ahead) at β = 0.95
+  # steady state: std 0.160 s₀ (EMA) and 0.174 s₀ (Nesterov look-ahead) at β = 0.95
   assert abs(float(buffer_noise_variance(10_000, 0.95, "ema")) ** 0.5 - 0.160) < 1e-3
   assert abs(float(buffer_noise_variance(10_000, 0.95, "ema", True)) ** 0.5 - 0.174) < 1e-3
   np.testing.assert_allclose(float(buffer_noise_variance(10_000, 0.9)), 1 / (1 - 0.81), rtol=1e-5)

@@ -1,4 +1,7 @@
-"""Invariant 1 (sensitivity): every clipped contribution has L2 norm ≤ C."""
+"""Privacy invariant 1 (sensitivity): every clipped contribution has L2 norm ≤ C.
+
+The privacy invariants are numbered in docs/design.md.
+"""
 
 import math
 

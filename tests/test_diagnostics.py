@@ -1,4 +1,4 @@
-"""Paper 1's diagnostics (research notes §4a, §9; DESIGN.md "Diagnostics")."""
+"""Paper 1's diagnostics (noise edge, SNR, recovery threshold) and paper 2's polar metrics."""
 
 import math
 

@@ -165,7 +165,7 @@ def test_small_cnn_sizes_and_conv_impls_agree():
   count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
   cifar = nnx.eval_shape(lambda: SmallCNN(rngs=nnx.Rngs(0)))
   mnist = nnx.eval_shape(lambda: SmallCNN(10, 1, image_shape=(28, 28), rngs=nnx.Rngs(0)))
-  assert count(cifar) == 156_074  # issue 2: "about 156k parameters"
+  assert count(cifar) == 156_074  # the documented "about 156k parameters"
   assert count(mnist) == 98_442
   assert hasattr(cifar, "head") and cifar.head.out_features == 10
   x = jax.random.normal(jax.random.key(2), (3, 8, 8, 3))

@@ -67,7 +67,7 @@ def test_ns_equals_polynomial_float32(steps):
     ids=["keller", "polar"],
 )
 def test_scalar_ranges_match_research_notes(coeffs, scale, lo, hi):
-  # Research notes §5.3: range of p^{∘5} over normalised singular values in [1e-3, 1].
+  # Range of p^{∘5} over normalised singular values in [1e-3, 1].
   out = newton_schulz_polynomial(np.geomspace(1e-3, 1.0, 20001) / scale, 5, coeffs)
   assert out.min() == pytest.approx(lo, abs=2e-4) and out.max() == pytest.approx(hi, abs=2e-4)
 

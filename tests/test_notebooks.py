@@ -1,4 +1,4 @@
-"""The notebooks run top to bottom at tiny scale and are Colab-ready (issue 6, items 3–4).
+"""The notebooks run top to bottom at tiny scale and are Colab-ready.
 
 Each notebook executes in a fresh ``python3`` kernel with
 DPMUON_NOTEBOOK_SCALE=tiny and JAX_PLATFORMS=cpu, so a notebook that breaks

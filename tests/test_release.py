@@ -1,4 +1,7 @@
-"""Invariants 2 and 3: noise σC on the sum, fresh per release; public denominator D."""
+"""Privacy invariants 2 and 3: noise σC on the sum, fresh per release; public denominator D.
+
+The privacy invariants are numbered in docs/design.md.
+"""
 
 import chex
 import jax

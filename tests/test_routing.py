@@ -1,4 +1,4 @@
-"""Routing presets: which leaves Muon orthogonalises and which go to the fallback (DESIGN.md)."""
+"""Routing presets: which leaves Muon orthogonalises, which the fallback takes (docs/design.md)."""
 
 import jax
 import jax.numpy as jnp

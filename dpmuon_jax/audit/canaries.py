@@ -1,4 +1,4 @@
-"""Canaries for the one-run audit (Steinke, Nasr & Jagielski 2023, §§2, 7; notes §7.1).
+"""Canaries for the one-run audit (Steinke, Nasr & Jagielski 2023, §§2, 7).
 
 Each of m canaries is included in the training set with probability 1/2,
 independently (S_i = ±1). The draw uses a dedicated AUDIT key, never the run's

@@ -1,4 +1,4 @@
-"""Multi-run audit with Clopper–Pearson intervals (Jagielski, Ullman & Oprea 2020; notes §7.2).
+"""Multi-run audit with Clopper–Pearson intervals (Jagielski, Ullman & Oprea 2020).
 
 Train n_in models with the canary and n_out without it, score each model, and
 call "in" when the score is ≥ a threshold τ. With FN of the "in" runs below τ

@@ -1,4 +1,4 @@
-"""Data-parallel private steps over a device mesh (DESIGN.md, "One training step").
+"""Data-parallel private steps over a device mesh (docs/design.md, "One training step").
 
     ONE global Poisson draw ─► padded batch (capacity = k·n_devices) ─► shard rows on 'data'
       ─► per device: Σ_{i ∈ shard} mask_i·clip_C(q_i) ─► psum ─► ONE Gaussian release ─► optimizer

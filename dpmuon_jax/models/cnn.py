@@ -1,9 +1,10 @@
-"""The small benchmark CNN (issue 2): 3 conv blocks 16/32/64 → dense 128 → ``head``.
+"""The small benchmark CNN: 3 conv blocks 16/32/64 → dense 128 → ``head``.
 
     x → [conv3×3 → GroupNorm? → act → maxpool2×2] × 3 → flatten → dense 128 → act → head
 
 About 156k parameters for 32×32×3 inputs (CIFAR-10), 98k for 28×28×1
-(MNIST). No BatchNorm: batch statistics mix examples (DESIGN.md, invariant 1).
+(MNIST). No BatchNorm: batch statistics mix examples (privacy invariant 1,
+docs/design.md).
 
 Convolutions are computed as image patches times the kernel
 (:func:`patch_conv`): the same function as ``lax.conv_general_dilated``, but

@@ -2,7 +2,7 @@
 
 The per-example query needs ``loss_fn(params, batch)`` with ``params`` a plain
 nested dict of arrays (what Optax transforms see). Parameter paths follow one
-convention that the Muon routing presets rely on (DESIGN.md, "The optimizers"):
+convention that the Muon routing presets rely on (docs/design.md, "The optimizers"):
 
 * the final classifier / LM head is the submodule ``head``;
 * embeddings have ``embed`` in their name (``patch_embed``, ``pos_embed``,

@@ -9,7 +9,8 @@ with 4×4 patches for 32×32 images. Pre-norm blocks, no dropout:
     logits = head(norm(z)[cls])
 
 LayerNorm acts on each token of each example, so no statistic is shared
-across the examples of a batch (per-example privacy, DESIGN.md).
+across the examples of a batch (per-example privacy: privacy invariant 1,
+docs/design.md).
 
 Every matrix is a 2-D (in, out) ``kernel``: the patch embedding is a Dense
 layer on flattened p×p×C patches (ordered (p, p, C), i.e. a stride-p conv

@@ -1,4 +1,4 @@
-"""Privacy accounting with Google's dp-accounting (DESIGN.md, invariant 5).
+"""Privacy accounting with Google's dp-accounting (privacy invariant 5, docs/design.md).
 
 One release of the Gaussian mechanism on a Poisson sample is the event
 ``PoissonSampled(q, Gaussian(σ))``; T releases are that event self-composed T

@@ -1,4 +1,4 @@
-"""Per-example clipping: the sensitivity of every release (DESIGN.md, invariant 1).
+"""Per-example clipping: the sensitivity of every release (privacy invariant 1, docs/design.md).
 
 Each sampled example contributes ONE clipped query ḡ_i with ‖ḡ_i‖₂ ≤ C, where
 the norm is taken in float32 over the vector that is actually summed.

@@ -1,4 +1,4 @@
-"""DiSK's per-example query (Zhang et al., ICLR 2025, arXiv 2410.03883, §3; notes §1).
+"""DiSK's per-example query (Zhang et al., ICLR 2025, arXiv 2410.03883, §3).
 
     q_i = c · ∇ℓ(θ_t + γ d_t; x_i) + (1−c) · ∇ℓ(θ_t; x_i),    c = (1−κ) / (κγ)
 
@@ -12,7 +12,7 @@ contributes norm ≤ C and the release adds exactly σC of noise: the accounting
 is DP-SGD's (q, σ, T).
 
 The reference code (Opacus ``KF_DPOptimizer``, KalmanDP ``init_utils``)
-instead divides σ by √(c² + (1−c)²) when c ≠ 1 (notes FLAG F1.1). That is not
+instead divides σ by √(c² + (1−c)²) when c ≠ 1. That is not
 part of the method; :func:`disk_noise_multiplier` reproduces it only behind an
 explicit compatibility flag.
 
@@ -52,8 +52,9 @@ class DiskPreset(NamedTuple):
 DISK_PRESETS: dict[str, DiskPreset] = {
     # The DiSK paper / Opacus README defaults.
     "disk": DiskPreset(0.7, 0.5),
-    # Paper 1's "Kalman (κ = 1.5)" (Table 15) with γ INFERRED: the DiSK authors' CLI
-    # defaults (KalmanDP init_utils.py, κ = 1.5, γ = −1; notes FLAG F1.2). Then
+    # Paper 1's "Kalman (κ = 1.5)" (Table 15; paper 1 is "Spectral Gradient Orthogonalization
+    # Improves Differentially Private Training at Scale") with γ INFERRED, since paper 1 gives
+    # none: the DiSK authors' CLI defaults (KalmanDP init_utils.py, κ = 1.5, γ = −1). Then
     # q_i = (2/3)∇ℓ(θ_t) + (1/3)∇ℓ(θ_{t−1}) and g_t = 1.5 G̃_t − 0.5 g_{t−1}.
     "paper1": DiskPreset(1.5, -1.0),
     # Paper 2's KF baseline (App. C): κ = 0.5, "extrapolation coefficient 0.8", read as γ = 0.8.
@@ -86,7 +87,7 @@ def single_point(kappa: float, gamma: float) -> int | None:
 def disk_noise_multiplier(
     noise_multiplier: float, kappa: float, gamma: float, reference_noise_rescaling: bool = False
 ) -> float:
-  """σ the release adds: σ itself, or the reference code's σ/√(c²+(1−c)²) (FLAG F1.1).
+  """σ the release adds: σ itself, or the reference code's σ/√(c²+(1−c)²).
 
   The rescaling is not DiSK's method (the combined vector is clipped as a
   whole, sensitivity C); it is offered only to reproduce runs of the reference

@@ -1,16 +1,18 @@
 """Inner momentum: each example's query averaged over recent model states (paper 2, §4.1).
 
-DP-Muon-IM (paper 2, §4; after Xiao et al. 2023 and DP-PMLF) changes the
-per-example QUERY, not the post-processing::
+DP-Muon-IM (paper 2, "Inner Momentum for Differentially Private Muon", §4;
+after Xiao et al. 2023 and DP-PMLF) changes the per-example QUERY, not the
+post-processing::
 
     q_i = Σ_{k=0}^{K_t} w_k ∇ℓ(θ_{t−k}; x_i),   w_k = γ^k / Σ_{j=0}^{K_t} γ^j,   K_t = min(K, t)
 
 then q_i is clipped as ONE vector (flat over all leaves, by the existing
 :func:`~dpmuon_jax.privacy.query.clipped_sum`), summed, noised with σC and
 divided by D, exactly as for DP-Muon. The current state gets the largest
-weight (γ < 1), as in DP-PMLF's paper (research notes §3, FLAG F3.2: their
-code reverses it; we follow the paper). Before K states exist (t < K) only
-the available states are averaged, renormalised over j ≤ t (FLAG F3.3: our
+weight (γ < 1), as in DP-PMLF's paper (Xu et al., "Enhancing DPSGD via
+Per-Sample Momentum and Low-Pass Filtering", AAAI 2026, Algorithm 1; their
+published code reverses it; we follow the paper). Before K states exist
+(t < K) only the available states are averaged, renormalised over j ≤ t (our
 choice; DP-PMLF pre-fills the history with copies of θ₀).
 
 Groups (paper 2, appendix C.1): the Muon group and the fallback group may use
@@ -20,9 +22,10 @@ combined pytree is clipped as one vector. Whatever K, each sampled example
 contributes ONE clipped query of norm ≤ C, so the release and its accounting
 are unchanged.
 
-Privacy (DESIGN.md, "Inner momentum"; paper 2, appendix E): the past states
-θ_{t−k} are functions of earlier releases and public settings only, so this
-is adaptive composition of the same Poisson-sampled Gaussian mechanism.
+Privacy (paper 2, appendix E "Privacy and implementation conditions"; see
+also docs/design.md, "Inner momentum"): the past states θ_{t−k} are
+functions of earlier releases and public settings only, so this is adaptive
+composition of the same Poisson-sampled Gaussian mechanism.
 The states live in the optimizer's post-processing state: the
 :func:`param_history` transform, placed in the private optimizer's chain,
 stores the parameters it sees at update time (θ_t) in a ring buffer of K

@@ -1,4 +1,4 @@
-"""Root randomness and its named, independent streams (DESIGN.md, threat model).
+"""Root randomness and its named, independent streams (threat model: docs/design.md).
 
 Whoever knows the noise key can subtract the noise, so by default the root key
 is drawn from OS entropy. A user-given key or integer seed is allowed for

@@ -1,4 +1,4 @@
-"""Per-example queries and their clipped sum (DESIGN.md, "One training step").
+"""Per-example queries and their clipped sum (docs/design.md, "One training step").
 
 A *query* maps shared, public inputs (usually the parameters θ_t; for DiSK or
 inner momentum also earlier or extrapolated states) and ONE example to a
@@ -41,7 +41,7 @@ class ClipStats(NamedTuple):
 
   They depend on which examples were sampled and on their gradients, so they
   are not covered by the privacy guarantee and must never feed back into
-  training (DESIGN.md, threat model).
+  training (docs/sharp-edges.md, "What the guarantee does not cover").
   """
 
   num_examples: jax.Array  # real (unmasked) rows

@@ -1,4 +1,4 @@
-"""The Gaussian release as an Optax gradient transformation (DESIGN.md, invariants 2–3).
+"""The Gaussian release as an Optax gradient transformation (docs/design.md, invariants 2–3).
 
     G̃_t = ( Σ_i clip_C(q_i) + N(0, σ²C² I) ) / D
 
@@ -381,7 +381,7 @@ def privatize(
 ) -> PrivateTransformation:
   """``optax.chain(release, *post_processing)``, still labelled with the release.
 
-  This is how every ``dp_*`` optimizer is built (DESIGN.md, invariant 7): ONE
+  This is how every ``dp_*`` optimizer is built (privacy invariant 7, docs/design.md): ONE
   release over the whole parameter tree, then post-processing only.
   ``query`` names the per-example query the release is fed with (DiSK and
   inner momentum change it; their inputs come from the post-processing state).

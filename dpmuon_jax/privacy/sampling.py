@@ -1,4 +1,4 @@
-"""Host-side Poisson sampling into static, masked batches (DESIGN.md, invariant 4).
+"""Host-side Poisson sampling into static, masked batches (privacy invariant 4, docs/design.md).
 
 At step t every example i ∈ {0, …, N−1} is included independently with
 probability q, so the realised batch size is Binomial(N, q), as the

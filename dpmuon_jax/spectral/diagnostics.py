@@ -1,6 +1,8 @@
 """Paper 1's spectral diagnostics: noise edge, clean gap, SNR, recovery threshold.
 
-Research notes §9 and DESIGN.md "Diagnostics". For a layer viewed as an m × n
+Paper 1 is "Spectral Gradient Orthogonalization Improves Differentially Private
+Training at Scale"; its recovery condition is in its "Loss & Training" section
+(see also docs/design.md, "Diagnostics"). For a layer viewed as an m × n
 matrix, the release's noise N has i.i.d. entries of std s₀ = σC/D, so
 
     ‖N‖₂ ≈ s₀(√m + √n) = σC(√m+√n)/D              (Vershynin 2012, Cor. 5.35)
@@ -10,8 +12,7 @@ matrix, the release's noise N has i.i.d. entries of std s₀ = σC/D, so
 where G is the quantity the release averages: the mean CLIPPED per-example
 gradient (its gap is far smaller than the unclipped gradient's). Newton–Schulz
 acts on a momentum buffer whose per-entry noise std is s₀ times the exact
-per-step factor of :func:`buffer_noise_factor` (notes §4a); both levels are
-reported.
+per-step factor of :func:`buffer_noise_factor`; both levels are reported.
 
 Two kinds of functions live here:
 
@@ -52,7 +53,7 @@ PyTree = Any
 
 
 class BufferSpec(NamedTuple):
-  """The momentum producing the matrix Newton–Schulz sees (notes §4a).
+  """The momentum producing the matrix Newton–Schulz sees.
 
   Attributes:
     beta: β in [0, 1); β = 0 means no momentum (the release itself).
@@ -90,7 +91,7 @@ def buffer_noise_factor(step, beta: float, buffer: str = EMA, nesterov: bool = T
 
       factor_t² = a² + b² w² (1 − β^{2(t−1)}) / (1 − β²).
 
-  Steady state (t → ∞, notes §4a): ema √((1−β)/(1+β)) (0.160 at β = 0.95);
+  Steady state (t → ∞): ema √((1−β)/(1+β)) (0.160 at β = 0.95);
   Nesterov ema (1−β)·√((1+β)² + β⁴/(1−β²)) (0.174); heavy-ball 1/√(1−β²).
   ``step`` may be a Python number (``math.inf`` for the steady state) or a
   traced array.

@@ -1,4 +1,4 @@
-"""Quintic Newton–Schulz orthogonalisation (paper 1, §Method; DESIGN.md "The optimizers").
+"""Quintic Newton–Schulz orthogonalisation (paper 1, §Method; docs/design.md "The optimizers").
 
     X₀ = M / (s·‖M‖_F + ε),    X ← a X + b (X Xᵀ) X + c (X Xᵀ)² X    (K times)
 
@@ -11,9 +11,11 @@ The iteration runs on the orientation whose Gram matrix X Xᵀ is the smaller
 one (rows ≤ cols); since NS(Mᵀ) = NS(M)ᵀ this does not change the result.
 The default (a, b, c) = (3.4445, −4.7750, 2.0315) (Keller Jordan's Muon, used by
 paper 1) maps singular values in [1e-3, 1] into about [0.47, 1.20] after five
-steps: the output is U S′ Vᵀ, not exactly U Vᵀ (research notes §5.3).
-Paper 1 prints the last term as "c X (XXᵀ)²", which is ill-typed for
-non-square X; c (XXᵀ)² X is the intended form.
+steps: the output is U S′ Vᵀ, not exactly U Vᵀ (``tests/test_newton_schulz.py``
+checks these ranges). Paper 1 ("Spectral Gradient Orthogonalization Improves
+Differentially Private Training at Scale", Method, design 2) prints the last
+term as "c X (XXᵀ)²", which is ill-typed for non-square X; c (XXᵀ)² X is the
+intended form.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class NewtonSchulzSchedule(NamedTuple):
 
 # Polar Express (Amsel et al. 2025, arXiv 2505.16932), the coefficients of
 # modded-nanogpt / nanochat: num_iters=5, safety_factor=2e-2, cushion=2, with
-# the pre-scaling X₀ = X / (1.02·‖X‖_F + ε) (research notes §5.3).
+# the pre-scaling X₀ = X / (1.02·‖X‖_F + ε).
 POLAR_EXPRESS = NewtonSchulzSchedule(
     coeffs=(
         (8.156554524902461, -22.48329292557795, 15.878769915207462),

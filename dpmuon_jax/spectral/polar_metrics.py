@@ -1,7 +1,7 @@
 """Paper 2's geometric metrics and its probe protocol (paper 2 §2.4, §3.1, §4.2, §5.3, App. D, F).
 
-Definitions (research notes §3, FLAG F3.4: paper 2's exact normalisations were
-not found; these are the natural candidates, stated here once):
+Definitions (paper 2's exact normalisations were not found; these are the
+natural candidates, stated here once):
 
 * polar factor: polar(A) = U_r V_rᵀ over the r nonzero singular values of A
   (singular values ≤ max(m, n)·eps·σ₁ count as zero, eps of A's dtype), so
@@ -72,14 +72,14 @@ def polar(a: np.ndarray) -> np.ndarray:
 
 
 def polar_error(a: np.ndarray, reference: np.ndarray) -> float:
-  """‖polar(A) − polar(B)‖_F / ‖polar(B)‖_F with B = ``reference`` (FLAG F3.4)."""
+  """‖polar(A) − polar(B)‖_F / ‖polar(B)‖_F with B = ``reference`` (module docstring)."""
   pb = polar(reference)
   denom = np.linalg.norm(pb)
   return float(np.linalg.norm(polar(a) - pb) / denom) if denom > 0 else math.nan
 
 
 def cosine_error(a: np.ndarray, reference: np.ndarray) -> float:
-  """1 − ⟨A, B⟩_F / (‖A‖_F ‖B‖_F) (FLAG F3.4)."""
+  """1 − ⟨A, B⟩_F / (‖A‖_F ‖B‖_F) (module docstring)."""
   a, b = np.asarray(a, np.float64).ravel(), np.asarray(reference, np.float64).ravel()
   denom = np.linalg.norm(a) * np.linalg.norm(b)
   return float(1.0 - a @ b / denom) if denom > 0 else math.nan

@@ -8,7 +8,7 @@ and a unit vector u on the short side,
 Each step contracts the angle to the top left singular vector by (σ₂/σ₁)², so
 starting from the previous optimizer step's vector (the momentum buffer
 changes slowly) a few iterations per step suffice. Paper 1 does not say how it
-computes σ₁ (research notes, FLAG F5.2); the exact SVD is an option for checks.
+computes σ₁; the exact SVD is an option for checks.
 
 A zero vector (the initial state) starts from the column of X with the largest
 norm: a deterministic, data-derived start (X is post-processing of the

@@ -2,7 +2,7 @@
 
 A leaf is seen as a batch of fan_in × fan_out matrices, fan_in being the
 input (reduction) dimension and fan_out the output dimension of the layer,
-whatever the storage layout (DESIGN.md, "The optimizers"):
+whatever the storage layout (docs/design.md, "The optimizers"):
 
 * Flax Dense kernel (in, out): fan_in = in, fan_out = out;
 * Flax Conv kernel (kh, kw, c_in, c_out): fan_in = kh·kw·c_in, fan_out = c_out.
@@ -19,7 +19,7 @@ After Newton–Schulz the update is scaled by
 
 with r_max = 4 for DP-Muon (the factor is at most 2) and no cap for
 DP-Muon-S. PyTorch-layout code writes the same physical factor as
-sqrt(max(1, rows/cols)) because its weights are (out, in) (research notes §0.5).
+sqrt(max(1, rows/cols)) because its weights are (out, in).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Gavish–Donoho singular-value thresholding and shrinkage (research notes §8).
+"""Gavish–Donoho singular-value thresholding and shrinkage.
 
 Paper 1 names "optimal singular value shrinkage (e.g. Gavish–Donoho)" as future
 work; this module offers it as an alternative spectral step. Model: the matrix
@@ -144,7 +144,7 @@ def frobenius_shrinker(y, beta: float):
 
   Works on numpy or jax arrays. For a spike of strength x the observed value
   is y(x) = :func:`spiked_singular_value` (x, β), and η(y(x)) = x·cos∠(ũ,u)·cos∠(ṽ,v):
-  for x = 2, β = 0.25 (y = 2.3049) both give 1.7083 (research notes §8).
+  for x = 2, β = 0.25 (y = 2.3049) both give 1.7083 (``tests/test_shrinkage.py``).
   """
   beta = _check_beta(beta)
   xp = jnp if isinstance(y, jax.Array) else np
@@ -205,7 +205,7 @@ def scale_by_singular_value_shrinkage(
     dimension_numbers: DimensionNumbers = None,
     max_aspect_ratio: float | None = DP_MUON_MAX_ASPECT_RATIO,
 ) -> optax.GradientTransformation:
-  """Gavish–Donoho thresholding/shrinkage as a spectral step (research notes §8).
+  """Gavish–Donoho thresholding/shrinkage as a spectral step.
 
   For every (rank ≥ 2) leaf U, viewed as fan_in × fan_out matrices, at step t
   (1-based):

@@ -1,7 +1,8 @@
 """The private optimizers the trainer and the CLI know by name, with paper 1's presets.
 
-Learning rates are paper 1's (research notes §5.4; CIFAR-10, WRN-16-4): they
-are where a search should start, not tuned values for every model.
+Learning rates are those paper 1 ("Spectral Gradient Orthogonalization Improves
+Differentially Private Training at Scale") reports for CIFAR-10, WRN-16-4:
+they are where a search should start, not tuned values for every model.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One jit-compiled private training step (DESIGN.md, "One training step").
+"""One jit-compiled private training step (docs/design.md, "One training step").
 
     padded batch + mask ─► per-example query ─► clipped sum ─► release ─► optimizer
 

@@ -1,6 +1,6 @@
 """The main job: train a Flax model privately to a target (ε, δ).
 
-Each step (DESIGN.md, "One training step"):
+Each step (docs/design.md, "One training step"):
 
     Poisson(q) indices ─► padded batch + mask ─► augment (own key stream)
       ─► per-example gradients ─► clipped sum ─► ONE Gaussian release ─► optimizer

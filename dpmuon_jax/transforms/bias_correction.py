@@ -1,14 +1,15 @@
-"""Removing the known DP-noise bias after a nonlinear map of the release (notes §4).
+"""Removing the known DP-noise bias after a nonlinear map of the release.
 
 Both transforms are post-processing: they use only the release and the PUBLIC
 per-coordinate noise standard deviation s₀ = σC/D of G̃_t.
 
-DP-Muon-BC (Kim & Fan 2026, arXiv 2605.12994; research notes §4a). The
-momentum buffer is linear in the releases, so its noise N is Gaussian with a
-known per-entry variance s_t², but Newton–Schulz F is nonlinear:
+DP-Muon-BC (Kim & Fan 2026, "DP-Muon: Differentially Private Optimization via
+Matrix-Orthogonalized Momentum", arXiv 2605.12994). The momentum buffer is
+linear in the releases, so its noise N is Gaussian with a known per-entry
+variance s_t², but Newton–Schulz F is nonlinear:
 E[F(M + N)] = F(M) + (s_t²/2)·ΔF(M) + O(s_t⁴) (heat smoothing). Kim & Fan
-remove the leading term; their estimator was not available (FLAG F4.1), so
-OUR estimator is the Richardson form
+remove the leading term; their estimator was not available, so OUR estimator
+is the Richardson form
 
     F_BC(M̃) = 2 F(M̃) − E_Z F(M̃ + s_t Z),    Z ~ N(0, I),
 
@@ -21,10 +22,11 @@ stream. s_t is the EXACT noise std of the buffer F sees after t releases
     M_t:  s_t² = s₀² w² Σ_{j<t} β^{2j} = s₀² w² (1 − β^{2t}) / (1 − β²)
     M̂_t = w G̃_t + β M_t (Nesterov):  s_t² = s₀² w² [(1+β)² + β⁴ Σ_{j<t−1} β^{2j}]
 
-(the steady-state values of notes §4a are the t → ∞ limits).
+(as t → ∞ at β = 0.95: std 0.160 s₀ for the EMA M_t, 0.174 s₀ for its
+Nesterov look-ahead M̂_t).
 
 The expansion needs a smooth F. The default F is Kim & Fan's convergent
-Newton–Schulz quintic p₂ = (15/8, −10/8, 3/8) (notes §4a), five steps, on
+Newton–Schulz quintic p₂ = (15/8, −10/8, 3/8), five steps, on
 X₀ = M/‖M‖_F. With Keller Jordan's (3.4445, −4.7750, 2.0315), whose polynomial
 has slope ≈ 3.4 at 0 and leaves singular values oscillating in [0.47, 1.2],
 the expansion fails for the noise bulk: on a rank-2 16×16 M with s = 0.1 the
@@ -32,7 +34,7 @@ correction INCREASES the signal-block bias (0.062 → 0.068) where with p₂ it
 cuts it 7× (0.034 → 0.005; ``tests/test_bias_correction.py``). Kim & Fan
 normalise by max(1, ‖M‖_F) instead; we keep the scale-invariant ‖M‖_F.
 
-DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024; notes §4b; the official
+DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024; the official
 ``ubc-systopia/DP-AdamBC`` JAX code): Adam's second moment of G̃ includes the
 noise variance Φ = s₀² per coordinate, which is subtracted::
 
@@ -65,7 +67,7 @@ from dpmuon_jax.transforms.muon import check_newton_schulz
 PyTree = Any
 
 KIM_FAN_NS_COEFFS: Coeffs = (1.875, -1.25, 0.375)
-"""The Newton–Schulz series p₂(λ) = Σ_{s≤2} (2s)!/(4^s (s!)²)(1−λ)^s as a quintic (notes §4a)."""
+"""The Newton–Schulz series p₂(λ) = Σ_{s≤2} (2s)!/(4^s (s!)²)(1−λ)^s as a quintic."""
 
 
 def buffer_noise_variance(

@@ -4,7 +4,7 @@ Both are post-processing of the releases G̃_0, G̃_1, … (no privacy cost) and
 act elementwise on the whole parameter tree. Chain them right after the
 release (:func:`dpmuon_jax.privatize`) and before the optimizer they feed.
 
-DiSK (Zhang et al., ICLR 2025, arXiv 2410.03883, §3; research notes §1)::
+DiSK (Zhang et al., ICLR 2025, arXiv 2410.03883, §3)::
 
     g_t = (1−κ) g_{t−1} + κ G̃_t,        g_0 = G̃_0            (:func:`kalman_filter`)
 
@@ -14,9 +14,10 @@ changes the per-example query: it needs the update d_t applied at the previous
 step, which :func:`record_applied_update`, the LAST transform of the chain,
 keeps (see :mod:`dpmuon_jax.privacy.disk_query`).
 
-DOPPLER (Zhang et al., NeurIPS 2024, arXiv 2408.13460, §3; research notes §2),
+DOPPLER (Zhang et al., NeurIPS 2024, arXiv 2408.13460, §3),
 ``scipy.signal.lfilter``'s sign convention, with the initialisation-bias
-correction c_t of the code (FLAG F2.1: inputs b_j only for j ≤ t)::
+correction c_t of the authors' code, which sums b_j only over the inputs that
+exist (j ≤ t): the exact normaliser when G̃_{<0} = 0::
 
     m_t = −Σ_{i≥1} a_i m_{t−i} + Σ_{j≥0} b_j G̃_{t−j}           (m_{<0} = G̃_{<0} = 0)
     c_t = −Σ_{i≥1} a_i c_{t−i} + Σ_{0≤j≤min(t, n_b)} b_j          (c_{<0} = 0)
@@ -51,7 +52,8 @@ class LowPassCoefficients(NamedTuple):
 DOPPLER_PRESETS: dict[str, LowPassCoefficients] = {
     # Paper 1's DOPPLER-SGD / DOPPLER-Muon "EMA β = 0.9"; DP-PMLF's default (a9b1.csv).
     "ema0.9": LowPassCoefficients((1.0, -0.9), (0.1,)),
-    # The published coefficient files of DP-PMLF @8329d3b (coefs/*.csv; research notes §2).
+    # The published coefficient files of DP-PMLF (github.com/Philosophy3290/DP-PMLF
+    # @8329d3b, coefs/*.csv).
     "a9b0505": LowPassCoefficients((1.0, -0.9), (0.05, 0.05)),
     "a9b1505": LowPassCoefficients((1.0, -0.9), (0.15, -0.05)),
     "ema0.6": LowPassCoefficients((1.0, -0.6), (0.4,)),  # a6b4.csv
@@ -63,7 +65,7 @@ DOPPLER_PRESETS: dict[str, LowPassCoefficients] = {
         (1.0, -1.98342955, 0.98549544), (0.00016332, 0.00032665, 0.00016332)
     ),
 }
-"""DOPPLER coefficient sets. The paper's own tables (FLAG F2.2) were not found."""
+"""DOPPLER coefficient sets. The DOPPLER paper's own tables were not found."""
 
 
 # ------------------------------------------------------------------------------------ DiSK filter

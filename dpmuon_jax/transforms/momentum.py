@@ -7,9 +7,11 @@
                             M̂_t = G̃_t + β M_t         (heavy_ball)
 
 M₀ = 0. Unlike ``optax.contrib.muon`` there is no Adam-style bias correction:
-it would amplify the first, noise-dominated steps (research notes §0.6). The
-scale of the buffer does not matter before Newton–Schulz, which normalises by
-‖·‖_F, but it does for DP-Muon-S, which multiplies by σ₁ of the buffer.
+it would amplify the first, noise-dominated steps, and neither Keller
+Jordan's Muon nor paper 1 ("Spectral Gradient Orthogonalization Improves
+Differentially Private Training at Scale") uses one. The scale of the buffer
+does not matter before Newton–Schulz, which normalises by ‖·‖_F, but it does
+for DP-Muon-S, which multiplies by σ₁ of the buffer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Muon post-processing of the release (paper 1, §Method; DESIGN.md "The optimizers").
+"""Muon post-processing of the release (paper 1, §Method; docs/design.md "The optimizers").
+
+Paper 1 is "Spectral Gradient Orthogonalization Improves Differentially Private
+Training at Scale".
 
 No privacy cost: these transforms only read the release G̃_t. They carry no
 ``dp_`` prefix; chain them after a release (:func:`dpmuon_jax.dp_release`) or
@@ -10,7 +13,7 @@ DP-Muon (``scale_by_muon``)::
     M_t = β M_{t−1} + (1−β) G̃_t,   M̂_t = (1−β) G̃_t + β M_t        (Nesterov)
     Ĝ_t = sqrt(min(4, max(1, fan_out/fan_in))) · NS_K(M̂_t)
 
-DP-Muon-S (``scale_by_muon_s``, paper 1 design 4, as DESIGN.md states it)::
+DP-Muon-S (``scale_by_muon_s``, paper 1 design 4, by default with design 1's M_t)::
 
     M_t = β M_{t−1} + (1−β) G̃_t        (or the un-normalised β M_{t−1} + G̃_t)
     Ĝ_t = σ₁(M_t) · sqrt(max(1, fan_out/fan_in)) · NS_K(M_t)
@@ -135,7 +138,7 @@ def scale_by_spectral_orthogonalization(
   σ₁ of each matrix comes from ``power_iterations`` steps of power iteration
   warm-started at the previous call's vector (kept in the state), or from an
   exact SVD if ``exact_svd``. The aspect factor is uncapped by default, as
-  DESIGN.md states DP-Muon-S.
+  paper 1 (design 4) states DP-Muon-S.
   """
   checks.check_positive_int("power_iterations", power_iterations)
   check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
@@ -216,13 +219,13 @@ def scale_by_muon_s(
 
   Args:
     beta: β (paper 1's preset: 0.9).
-    buffer: ``"ema"`` (default, DESIGN.md: M_t = βM_{t−1} + (1−β)G̃_t) or
-      ``"heavy_ball"`` (the un-normalised M_t = βM_{t−1} + G̃_t of research
-      notes §5.4 and Kim & Fan). No look-ahead either way. Because σ₁ carries
+    buffer: ``"ema"`` (default; paper 1 design 1's M_t = βM_{t−1} + (1−β)G̃_t)
+      or ``"heavy_ball"`` (the un-normalised M_t = βM_{t−1} + G̃_t, "heavy-ball"
+      read literally, as in Kim & Fan). No look-ahead either way. Because σ₁ carries
       the buffer's scale, ``"heavy_ball"`` steps are ≈ 1/(1−β) times larger
       (10× at β = 0.9), so learning rates do not transfer between the two.
-      Paper 1's text calls M_t "the heavy-ball momentum matrix"; DESIGN.md
-      reads it as the EMA, which is the default here.
+      Paper 1's text calls M_t "the heavy-ball momentum matrix"; the default
+      here reads it as the EMA buffer of paper 1's DP-Muon (design 1).
     power_iterations: warm-started iterations per step for σ₁.
     exact_svd: compute σ₁ by SVD instead (for checks; slow on large layers).
     ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision,

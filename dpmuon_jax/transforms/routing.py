@@ -1,4 +1,4 @@
-"""Which parameters Muon orthogonalises, and which go to a fallback (DESIGN.md, "The optimizers").
+"""Which parameters Muon orthogonalises, and which go to a fallback (docs/design.md, optimizers).
 
 Presets, on the path convention of :mod:`dpmuon_jax.models.common` (the head
 is the submodule ``head``; embeddings have ``embed`` in their name; norms
@@ -16,7 +16,8 @@ is the submodule ``head``; embeddings have ``embed`` in their name; norms
 
 A callable ``route(path, leaf) -> bool`` (``path`` a tuple of strings, True
 for Muon) routes arbitrarily. Routing is post-processing: the release is ONE
-release over the whole tree and happens before the partition (invariant 7).
+release over the whole tree and happens before the partition (privacy
+invariant 7, docs/design.md).
 """
 
 from __future__ import annotations

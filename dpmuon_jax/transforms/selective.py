@@ -1,4 +1,7 @@
-"""Layer-wise selective orthogonalisation (paper 1's "future work"; research notes §9).
+"""Layer-wise selective orthogonalisation (paper 1's "future work").
+
+Paper 1 is "Spectral Gradient Orthogonalization Improves Differentially Private
+Training at Scale"; this is a direction its "Limitations & Future Work" names.
 
 Paper 1's Prop. 1 says orthogonalisation helps a layer only above the recovery
 threshold σ₁(G) − σ₂(G) > ‖N‖₂ ≈ s(√m+√n). This transform decides, for every
