@@ -18,7 +18,8 @@ import time
 _WORKER = """
 import json, time, warnings
 import jax, jax.numpy as jnp, numpy as np, optax
-from dpmuon_jax.distributed.sharded import data_mesh, make_sharded_private_step, shard_batch
+from dpmuon_jax.distributed.mesh import data_mesh, shard_batch
+from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.optimizers import dp_sgd
 B, STEPS = {batch}, {steps}
 rng = np.random.default_rng(0)
@@ -32,7 +33,7 @@ batch = {{"x": rng.normal(size=(B, 784)).astype(np.float32), "y": rng.integers(0
 mask = np.arange(B) < int(0.9 * B)
 mesh = data_mesh(jax.device_count())
 opt = dp_sgd(0.1, 1.0, 1.0, float(B), key=0)
-step = make_sharded_private_step(opt, loss, mesh)
+step = make_private_step(opt, loss, mesh=mesh)
 b, m = shard_batch(mesh, batch, mask)
 state = opt.init(params)
 out = step(params, state, [(b, m)]); jax.block_until_ready(out.params)

@@ -8,12 +8,7 @@ from dpmuon_jax.data.augment import augment, augment_image
 from dpmuon_jax.data.embedded import load_embedded
 from dpmuon_jax.data.images import DATASETS, DatasetInfo, ImageDataset, dataset_info, normalize
 from dpmuon_jax.data.loaders import DATASET_NAMES, TFDS_NAMES, load_dataset, load_npz, load_tfds
-from dpmuon_jax.distributed.sharded import (
-    data_mesh,
-    make_sharded_private_step,
-    shard_batch,
-    sharded_capacity,
-)
+from dpmuon_jax.distributed.mesh import data_mesh, shard_batch, sharded_capacity
 from dpmuon_jax.models.cnn import SmallCNN, image_patches, patch_conv, small_cnn
 from dpmuon_jax.models.common import PureModel, classification_loss, pure_model
 from dpmuon_jax.models.registry import MODEL_NAMES, create_model, model_and_loss

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dpmuon_jax as dm
-from dpmuon_jax.distributed.sharded import data_mesh, make_sharded_private_step
+from dpmuon_jax.distributed.mesh import data_mesh
 from dpmuon_jax.privacy.clipping import flat_clipping, per_layer_clipping
 from dpmuon_jax.privacy.query import ClippedSum, clip_and_sum
 from dpmuon_jax.training.step import make_private_step
@@ -121,8 +121,8 @@ def test_step_builders_clip_with_the_optimizers_rule(sharded):
   rule = per_layer_clipping(C)
   opt = dm.dp_sgd(0.1, l2_clip_norm=C, noise_multiplier=0.0, denominator=8.0, key=0,
                   clipping=rule)
-  build = (lambda o, **kw: make_sharded_private_step(o, _loss, data_mesh(1), **kw)) if sharded \
-      else (lambda o, **kw: make_private_step(o, _loss, **kw))
+  mesh = data_mesh(1) if sharded else None
+  build = lambda o, **kw: make_private_step(o, _loss, mesh=mesh, **kw)
   step = build(opt)
   got = step.clipped_sum(params, opt.init(params), batch, mask).total
   grads = jax.vmap(lambda ex: jax.grad(_loss)(params, jax.tree.map(lambda x: x[None], ex)))(batch)

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 import dpmuon_jax as dm
-from dpmuon_jax.distributed.sharded import data_mesh, make_sharded_private_step
+from dpmuon_jax.distributed.mesh import data_mesh
 from dpmuon_jax.privacy import release as release_module
 from dpmuon_jax.privacy.accounting import compute_epsilon
 from dpmuon_jax.privacy.clipping import Clipping, round_to_grid
@@ -128,7 +128,7 @@ def test_private_step_runs_in_secure_mode_and_the_sharded_step_refuses():
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out.params))
   assert int(out.opt_state[0].count) == 1
   with pytest.raises(ValueError, match="one device"):
-    make_sharded_private_step(opt, _loss, data_mesh(1))
+    make_private_step(opt, _loss, mesh=data_mesh(1))
 
 
 def test_a_float_sum_is_refused_by_a_secure_release():

@@ -24,8 +24,7 @@ _SCRIPT = textwrap.dedent(
     """
     import json, warnings
     import jax, jax.numpy as jnp, numpy as np, optax
-    from dpmuon_jax.distributed.sharded import (
-        data_mesh, make_sharded_private_step, shard_batch, sharded_capacity)
+    from dpmuon_jax.distributed.mesh import data_mesh, shard_batch, sharded_capacity
     from dpmuon_jax.optimizers import dp_sgd
     from dpmuon_jax.privacy.sampling import PoissonSampler, gather
     from dpmuon_jax.training.step import make_private_step
@@ -60,8 +59,8 @@ _SCRIPT = textwrap.dedent(
       warnings.simplefilter("ignore")
       single = lambda opt: make_private_step(opt, loss_fn)
       mesh8, mesh1 = data_mesh(8), data_mesh(1)
-      sharded8 = lambda opt: make_sharded_private_step(opt, loss_fn, mesh8, microbatch_size=2)
-      sharded1 = lambda opt: make_sharded_private_step(opt, loss_fn, mesh1)
+      sharded8 = lambda opt: make_private_step(opt, loss_fn, mesh=mesh8, microbatch_size=2)
+      sharded1 = lambda opt: make_private_step(opt, loss_fn, mesh=mesh1)
       p_single, st_single = run(single, SIGMA, 2)
       p8, st8 = run(sharded8, SIGMA, 2)
       p1, _ = run(sharded1, SIGMA, 2)
@@ -81,7 +80,7 @@ _SCRIPT = textwrap.dedent(
         return jnp.sum(b["x"][:, :1]) * jnp.sum(p["v"])
       def delta(sigma):
         opt = dp_sgd(1.0, C, sigma, D, key=23)
-        step = make_sharded_private_step(opt, big_loss, mesh8)
+        step = make_private_step(opt, big_loss, mesh=mesh8)
         o = step(big, opt.init(big), [(batch, jnp.asarray(chunk.mask))])
         return o.params["v"]
       noise = np.asarray(delta(SIGMA) - delta(0.0))

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from dpmuon_jax import checks
-from dpmuon_jax.distributed.sharded import sharded_capacity
+from dpmuon_jax.distributed.mesh import sharded_capacity
 from dpmuon_jax.optimizers_filters import dp_disk_muon
 from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
 from dpmuon_jax.optimizers_muon import dp_muon

@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
+from jax.sharding import Mesh, PartitionSpec
 
+from dpmuon_jax.distributed.mesh import DATA_AXIS, replicated
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.query import (
     GRADIENT_QUERY,
@@ -64,6 +66,30 @@ class PrivateStep(NamedTuple):
     return self.step(params, opt_state, batch, mask, overflow)
 
 
+def _query_and_inputs(optimizer: PrivateTransformation, loss_fn, query):
+  """The per-example query and how to read its public inputs from (params, opt_state)."""
+  if (loss_fn is None) == (query is None):
+    raise ValueError("Give exactly one of loss_fn and query.")
+  if query is None:
+    return optimizer.query.make_query(loss_fn), optimizer.query.inputs
+  return query, GRADIENT_QUERY.inputs
+
+
+def _sum_over_mesh(chunk_sum: Callable, mesh: Mesh) -> Callable:
+  """Each device clips and sums its rows; the per-device sums are added once (psum)."""
+  if DATA_AXIS not in mesh.axis_names:
+    raise ValueError(f"The mesh needs a {DATA_AXIS!r} axis, got {mesh.axis_names}.")
+  return jax.shard_map(
+      lambda inputs, batch, mask: chunk_sum(inputs, batch, mask).psum(DATA_AXIS),
+      mesh=mesh,
+      in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS), PartitionSpec(DATA_AXIS)),
+      out_specs=PartitionSpec(),
+      # The microbatch scan starts from a replicated zero carry; the per-device
+      # sums are combined explicitly by the psum.
+      check_vma=False,
+  )
+
+
 def make_private_step(
     optimizer: PrivateTransformation,
     loss_fn: LossFn | None = None,
@@ -71,8 +97,9 @@ def make_private_step(
     query: QueryFn | None = None,
     clipping: Clipping | None = None,
     microbatch_size: int | None = None,
+    mesh: Mesh | None = None,
 ) -> PrivateStep:
-  """Builds the jitted private step for a ``dp_*`` optimizer.
+  """Builds the jitted private step for a ``dp_*`` optimizer, on one device or a mesh.
 
   Args:
     optimizer: a complete private optimizer (contains the release).
@@ -83,29 +110,41 @@ def make_private_step(
       instead of the optimizer's (its inputs are the current parameters).
     clipping: the optimizer's own clipping rule (``optimizer.release.clipping``)
       is used; passing a different one is an error.
-    microbatch_size: accumulate the clipped sum in chunks of this size.
+    microbatch_size: accumulate the clipped sum in chunks of this size (per
+      device on a mesh).
+    mesh: ``None`` for one device, or a mesh with a ``'data'`` axis
+      (:func:`~dpmuon_jax.distributed.mesh.data_mesh`): batches and masks are
+      split on their rows (place them with
+      :func:`~dpmuon_jax.distributed.mesh.shard_batch`, or pass host arrays),
+      each device clips and sums its rows, the sums are added once, and the
+      release and the optimizer run replicated, so the noise is drawn once
+      and added to the global sum. The padded batch's rows must be a multiple
+      of the device count (and of ``n_devices·microbatch_size``): see
+      :func:`~dpmuon_jax.distributed.mesh.sharded_capacity`.
   """
   if not isinstance(optimizer, PrivateTransformation):
     raise TypeError("make_private_step needs a private optimizer (a dp_* transformation).")
-  if (loss_fn is None) == (query is None):
-    raise ValueError("Give exactly one of loss_fn and query.")
-  if query is None:
-    spec = optimizer.query
-    query = spec.make_query(loss_fn)
-  else:
-    spec = GRADIENT_QUERY
+  query, read_inputs = _query_and_inputs(optimizer, loss_fn, query)
   clipping = optimizer_clipping(optimizer, clipping)
+  if mesh is not None and optimizer.release.secure_noise:
+    raise ValueError("secure_noise draws its noise on the host of a single device; use one device.")
+
+  def local_sum(inputs, batch, mask) -> ClippedSum:
+    return clipped_sum(query, inputs, batch, mask, clipping, microbatch_size)
+
+  summed = local_sum if mesh is None else _sum_over_mesh(local_sum, mesh)
 
   def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
-    inputs = spec.inputs(params, opt_state)
-    return clipped_sum(query, inputs, batch, mask, clipping, microbatch_size)
+    return summed(read_inputs(params, opt_state), batch, mask)
 
   def step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
     total = chunk_sum(params, opt_state, batch, mask) + overflow
+    # Replicated from here on: ONE noise draw from the release's key, on the global sum.
     updates, opt_state = optimizer.update(total, opt_state, params)
     return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
 
   def empty_overflow(params) -> ClippedSum:
     return zeros_clipped_sum(params, clipping)
 
-  return PrivateStep(jax.jit(step), jax.jit(chunk_sum), empty_overflow)
+  out = {} if mesh is None else {"out_shardings": replicated(mesh)}
+  return PrivateStep(jax.jit(step, **out), jax.jit(chunk_sum, **out), empty_overflow)

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +35,16 @@ import optax
 from dpmuon_jax.data.augment import augment
 from dpmuon_jax.data.images import ImageDataset, normalize
 from dpmuon_jax.data.loaders import load_dataset
-from dpmuon_jax.distributed.sharded import (
+from dpmuon_jax.distributed.mesh import (
     data_mesh,
-    make_sharded_private_step,
     shard_batch,
     sharded_capacity,
 )
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
-from dpmuon_jax.privacy.release import with_noise_counter
-from dpmuon_jax.privacy.setup import make_private
+from dpmuon_jax.privacy.release import PrivateTransformation, with_noise_counter
+from dpmuon_jax.privacy.setup import PrivateSetup, make_private
 from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
@@ -56,8 +55,9 @@ from dpmuon_jax.training.checkpoint import (
 )
 from dpmuon_jax.training.export import export_run
 from dpmuon_jax.training.journal import JournalEntry, append_entry, plan_resume, read_journal
+from dpmuon_jax.training.loop import BUDGET, COMPLETED, Hooks, LoopState, run_releases
 from dpmuon_jax.training.records import write_csv
-from dpmuon_jax.training.step import make_private_step
+from dpmuon_jax.training.step import PrivateStep, make_private_step
 
 PyTree = Any
 
@@ -330,25 +330,22 @@ def _finished(config: TrainConfig, metadata: dict) -> dict:
           "epsilon_spent": ledger.epsilon()}
 
 
-def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
-  """Runs (or resumes) one private training run and returns its results.
+class _Run(NamedTuple):
+  """What one run is built from (public settings and functions, no data)."""
 
-  Writes ``results.json``, ``history.csv``, ``curves.png``, owner-only
-  checkpoints, the release journal and ``export/`` (the parameters and the
-  privacy certificate, nothing secret) under ``config.output_dir``.
-  """
-  if data is None:
-    data = load_dataset(config.dataset, config.data_dir)
-  _validate(config, data)
-  os.makedirs(config.output_dir, exist_ok=True)
-  ckpt_dir = os.path.join(config.output_dir, "checkpoints")
-  journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
-  resume_step, metadata = _resume_point(config, ckpt_dir, journal_path, data.num_train)
-  if metadata is not None:
-    root = RootKey(jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"])
-  else:
-    root = root_key(config.seed)
+  setup: PrivateSetup
+  optimizer: PrivateTransformation
+  schedule: optax.Schedule
+  step_fn: PrivateStep
+  to_chunks: Callable
+  evaluate: Callable
+  initial_params: PyTree
+  steps_per_epoch: int
+  end: int
 
+
+def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
+  """Model, private setup (σ, sampler, release, ledger), optimizer and jitted step."""
   num_devices = config.devices or 1
   if num_devices > jax.device_count():
     raise TrainingError(
@@ -359,15 +356,9 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       **config.model_overrides,
   )
   setup = make_private(
-      target_epsilon=config.epsilon,
-      target_delta=config.delta,
-      dataset_size=data.num_train,
-      expected_batch_size=config.batch_size,
-      l2_clip_norm=config.clip,
-      epochs=config.epochs,
-      key=root,
-      accountant=config.accountant,
-      noise_multiplier=config.noise_multiplier,
+      target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=data.num_train,
+      expected_batch_size=config.batch_size, l2_clip_norm=config.clip, epochs=config.epochs,
+      key=root, accountant=config.accountant, noise_multiplier=config.noise_multiplier,
       secure_noise=config.secure_noise,
       # The padded batch must split evenly into devices × microbatches.
       capacity=sharded_capacity(
@@ -376,39 +367,64 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   )
   schedule = _learning_rate_schedule(config, setup.steps)
   optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs)
-  ledger = setup.ledger
-  if num_devices > 1:
-    mesh = data_mesh(num_devices)
-    step_fn = make_sharded_private_step(
-        optimizer, loss_fn, mesh, microbatch_size=config.microbatch_size
-    )
-    place = lambda batch, mask: shard_batch(mesh, batch, mask)
-  else:
-    step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
-    place = lambda batch, mask: (batch, mask)
+  mesh = data_mesh(num_devices) if num_devices > 1 else None
+  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
+                              mesh=mesh)
   batch_fn = _make_batch_fn(data, config.augment)
-  evaluate = _make_eval_fn(model.apply, data)
   augmentation_key, _ = stream_key(root, "augmentation")
 
-  initial = _initial_params(model.params, config.init_weights)
-  params, opt_state, start = initial, optimizer.init(initial), 0
-  history: list[dict] = []
-  if metadata is not None:
-    ledger = PrivacyLedger.from_json(metadata["ledger"])
-    try:
-      ledger.check_compatible(setup.ledger)
-    except ValueError as error:
-      raise TrainingError(f"Refusing to resume: {error}") from None
-    if metadata.get("stop_reason") in _FINISHED:
-      return _finished(config, metadata)
-    restored = restore_checkpoint(
-        ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}), resume_step
-    )
-    params, opt_state, start = restored.params, restored.opt_state, restored.step
-    history = metadata["history"]
+  def to_chunks(padded, key_index):
+    step_key = jax.random.fold_in(augmentation_key, key_index)
+    chunks = []
+    for i, chunk in enumerate(padded):
+      mask = jnp.asarray(chunk.mask)
+      batch = batch_fn(chunk.indices, mask, jax.random.fold_in(step_key, i))
+      chunks.append((batch, mask) if mesh is None else shard_batch(mesh, batch, mask))
+    return chunks
 
-  # Releases made after the checkpoint and lost: replay them exactly or charge them.
-  fingerprint = run_fingerprint(config, data)
+  end = setup.steps if config.max_steps is None else min(setup.steps, config.max_steps)
+  return _Run(setup, optimizer, schedule, step_fn, to_chunks, _make_eval_fn(model.apply, data),
+              _initial_params(model.params, config.init_weights),
+              max(1, round(1 / setup.sampler.sampling_rate)), end)
+
+
+def _metadata(config: TrainConfig, data: ImageDataset, run: _Run, root: RootKey,
+              ledger: PrivacyLedger, key_index: int, stop: str | None, history) -> dict:
+  """What a checkpoint records besides the arrays (SECRET: holds the root key)."""
+  return {
+      "privacy_config": config.privacy_config(data.num_train),
+      "ledger": ledger.to_json(),
+      "root_key": np.asarray(root.key).tolist(),
+      "seeded": bool(root.seeded),
+      "key_index": key_index,
+      "stop_reason": stop,
+      "clipping": run.optimizer.release.clipping.describe(),
+      "secure_noise": run.optimizer.release.secure_noise,
+      "history": history,
+      "config": dataclasses.asdict(config),
+  }
+
+
+def _starting_point(config, run: _Run, ckpt_dir, metadata, resume_step):
+  """(ledger, params, opt_state, step, history) of a new run or of its checkpoint."""
+  params = run.initial_params
+  opt_state = run.optimizer.init(params)
+  if metadata is None:
+    return run.setup.ledger, params, opt_state, 0, []
+  ledger = PrivacyLedger.from_json(metadata["ledger"])
+  try:
+    ledger.check_compatible(run.setup.ledger)
+  except ValueError as error:
+    raise TrainingError(f"Refusing to resume: {error}") from None
+  if metadata.get("stop_reason") in _FINISHED:
+    return ledger, None, None, None, metadata["history"]
+  restored = restore_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}),
+                                resume_step)
+  return ledger, restored.params, restored.opt_state, restored.step, metadata["history"]
+
+
+def _plan_keys(config, run: _Run, ledger, journal_path, fingerprint, start, metadata, root):
+  """Replays or charges the releases lost after the checkpoint (see training/journal.py)."""
   plan = plan_resume(
       read_journal(journal_path), start,
       metadata.get("key_index", start) if metadata is not None else 0, fingerprint,
@@ -416,100 +432,106 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       replayable=(metadata is not None or root.seeded) and not config.secure_noise,
   )
   if plan.charge_now:
-    ledger.record(setup.sampler, optimizer, count=plan.charge_now)
+    ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now)
     print(
         f"{plan.charge_now} release(s) made after the last checkpoint cannot be replayed "
         f"exactly: charged to the ledger (ε = {ledger.epsilon():.4f}), fresh noise from here."
     )
-  key_index = plan.key_index
-  opt_state = with_noise_counter(opt_state, key_index)
+  return plan
 
-  steps_per_epoch = max(1, round(1 / setup.sampler.sampling_rate))
-  eval_every = config.eval_every or steps_per_epoch
-  checkpoint_every = config.checkpoint_every or steps_per_epoch
-  end = setup.steps if config.max_steps is None else min(setup.steps, config.max_steps)
 
-  def save(step: int, stop: str | None = None) -> None:
-    meta = {
-        "privacy_config": config.privacy_config(data.num_train),
-        "ledger": ledger.to_json(),
-        "root_key": np.asarray(root.key).tolist(),
-        "seeded": bool(root.seeded),
-        "key_index": key_index,
-        "stop_reason": stop,
-        "clipping": optimizer.release.clipping.describe(),
-        "secure_noise": optimizer.release.secure_noise,
-        "history": history,
-        "config": dataclasses.asdict(config),
-    }
-    save_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, step, meta))
+def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
+  """Runs (or resumes) one private training run and returns its results.
 
-  bar = _progress(end, start, config.progress)
-  stop_reason = "completed" if end == setup.steps else "max_steps"
-  step, started = start, time.perf_counter()
-  for step in range(start, end):
-    if not ledger.can_release(1):
-      stop_reason = "budget"
-      break
-    append_entry(journal_path, JournalEntry(step, key_index, fingerprint))
-    step_key = jax.random.fold_in(augmentation_key, key_index)
-    chunks = []
-    for i, chunk in enumerate(setup.sampler.sample(key_index)):
-      mask = jnp.asarray(chunk.mask)
-      chunks.append(place(batch_fn(chunk.indices, mask, jax.random.fold_in(step_key, i)), mask))
-    out = step_fn(params, opt_state, chunks)
-    params, opt_state = out.params, out.opt_state
-    key_index += 1
-    ledger.record(setup.sampler, optimizer)
-    done = step + 1
-    record = {}
-    if config.log_clip_stats:
-      record = {
-          "nonprivate_clip_fraction": float(out.stats.clip_fraction),
-          "nonprivate_mean_grad_norm": float(out.stats.mean_norm),
-      }
-    if done % eval_every == 0 or done == end:
-      test_loss, test_acc = evaluate(params)
-      last_metrics = {
-          "step": done,
-          "epoch": done / steps_per_epoch,
-          "epsilon": ledger.epsilon(),
-          "test_loss": test_loss,
-          "test_accuracy": test_acc,
-          "learning_rate": float(schedule(done)),
-          **record,
-      }
-      history.append(last_metrics)
-      if bar is not None:
-        bar.set_postfix(
-            loss=f"{test_loss:.3f}", acc=f"{test_acc:.3f}", eps=f"{last_metrics['epsilon']:.2f}"
-        )
-    if bar is not None:
-      bar.update(1)
-    if done % checkpoint_every == 0 and done != end:
-      save(done)
-  else:
-    step = end
-  if stop_reason == "budget":
-    print(
-        f"Stopped before step {step + 1}: one more release would exceed ε = {config.epsilon} "
-        f"(spent {ledger.epsilon():.4f}). Checkpoint saved."
-    )
-  if key_index < plan.replay_until:
+  Writes ``results.json``, ``history.csv``, ``curves.png``, owner-only
+  checkpoints, the release journal and ``export/`` (the parameters and the
+  privacy certificate, nothing secret) under ``config.output_dir``.
+  """
+  data = load_dataset(config.dataset, config.data_dir) if data is None else data
+  _validate(config, data)
+  os.makedirs(config.output_dir, exist_ok=True)
+  ckpt_dir = os.path.join(config.output_dir, "checkpoints")
+  journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
+  resume_step, metadata = _resume_point(config, ckpt_dir, journal_path, data.num_train)
+  root = root_key(config.seed) if metadata is None else RootKey(
+      jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"])
+  run = _build_run(config, data, root)
+  ledger, params, opt_state, start, history = _starting_point(
+      config, run, ckpt_dir, metadata, resume_step)
+  if params is None:
+    return _finished(config, metadata)
+  fingerprint = run_fingerprint(config, data)
+  plan = _plan_keys(config, run, ledger, journal_path, fingerprint, start, metadata, root)
+  state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
+
+  def save(state: LoopState, stop: str | None = None) -> None:
+    meta = _metadata(config, data, run, root, ledger, state.key_index, stop, history)
+    save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
+
+  bar = _progress(run.end, start, config.progress)
+  hooks = Hooks(
+      before=lambda s: append_entry(journal_path, JournalEntry(s.step, s.key_index, fingerprint)),
+      after=_after_release(config, run, ledger, history, bar, save),
+  )
+  started = time.perf_counter()
+  state, stop_reason = run_releases(
+      run.step_fn, state, run.end, sampler=run.setup.sampler, optimizer=run.optimizer,
+      to_chunks=run.to_chunks, ledger=ledger, hooks=hooks)
+  if stop_reason == COMPLETED and run.end < run.setup.steps:
+    stop_reason = "max_steps"
+  if stop_reason == BUDGET:
+    print(f"Stopped before step {state.step + 1}: one more release would exceed "
+          f"ε = {config.epsilon} (spent {ledger.epsilon():.4f}). Checkpoint saved.")
+  if state.key_index < plan.replay_until:
     # Lost releases this run did not redo still happened: charge them, skip their keys.
-    ledger.record(setup.sampler, optimizer, count=plan.replay_until - key_index)
-    key_index = plan.replay_until
-    opt_state = with_noise_counter(opt_state, key_index)
+    ledger.record(run.setup.sampler, run.optimizer, count=plan.replay_until - state.key_index)
+    state = state._replace(opt_state=with_noise_counter(state.opt_state, plan.replay_until),
+                           key_index=plan.replay_until)
   if bar is not None:
     bar.close()
-  save(step, stop_reason)
-  elapsed = time.perf_counter() - started
-  if not history or history[-1]["step"] != step:
-    test_loss, test_acc = evaluate(params)
-    history.append({"step": step, "epoch": step / steps_per_epoch,
-                    "epsilon": ledger.epsilon(), "test_loss": test_loss, "test_accuracy": test_acc})
-  results = _results(config, setup, ledger, history, stop_reason, elapsed, step - start,
-                     steps_per_epoch, root.seeded)
+  save(state, stop_reason)
+  return _finish(config, run, ledger, history, state, stop_reason,
+                 time.perf_counter() - started, start, root.seeded)
+
+
+def _after_release(config, run: _Run, ledger, history, bar, save) -> Callable:
+  """Evaluates, logs and checkpoints after a release (the loop's ``after`` hook)."""
+  eval_every = config.eval_every or run.steps_per_epoch
+  checkpoint_every = config.checkpoint_every or run.steps_per_epoch
+
+  def after(previous: LoopState, state: LoopState, out) -> None:
+    del previous
+    done = state.step
+    if done % eval_every == 0 or done == run.end:
+      test_loss, test_acc = run.evaluate(state.params)
+      record = {"step": done, "epoch": done / run.steps_per_epoch, "epsilon": ledger.epsilon(),
+                "test_loss": test_loss, "test_accuracy": test_acc,
+                "learning_rate": float(run.schedule(done))}
+      if config.log_clip_stats:
+        record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
+        record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
+      history.append(record)
+      if bar is not None:
+        bar.set_postfix(loss=f"{test_loss:.3f}", acc=f"{test_acc:.3f}",
+                        eps=f"{record['epsilon']:.2f}")
+    if bar is not None:
+      bar.update(1)
+    if done % checkpoint_every == 0 and done != run.end:
+      save(state)
+
+  return after
+
+
+def _finish(config, run: _Run, ledger, history, state: LoopState, stop_reason, elapsed, start,
+            seeded) -> dict:
+  """Final evaluation, results.json, history.csv, the plot and the export."""
+  if not history or history[-1]["step"] != state.step:
+    test_loss, test_acc = run.evaluate(state.params)
+    history.append({"step": state.step, "epoch": state.step / run.steps_per_epoch,
+                    "epsilon": ledger.epsilon(), "test_loss": test_loss,
+                    "test_accuracy": test_acc})
+  results = _results(config, run.setup, ledger, history, stop_reason, elapsed,
+                     state.step - start, run.steps_per_epoch, seeded)
   results["export"] = export_run(config.output_dir)  # parameters + certificate, no secrets
   _write_outputs(config.output_dir, results, history, config.plot)
   return results
