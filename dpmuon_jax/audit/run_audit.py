@@ -43,6 +43,7 @@ from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.sampling import PADDING_INDEX, PaddedBatch, PoissonSampler, gather
+from dpmuon_jax.training.loop import Hooks, LoopState, run_releases
 from dpmuon_jax.training.step import make_private_step
 
 PyTree = Any
@@ -165,16 +166,21 @@ def audit(config: AuditConfig) -> dict:
                           np.arange(rows) < len(x))
   data, data_mask = gather(train, data_rows), jnp.asarray(data_rows.mask)
   undo_step = sampler.expected_batch_size / config.learning_rate  # θ_{t+1} − θ_t = −(lr/D)·G̃
-  state, trained, residual = optimizer.init(params), params, params
-  for t in range(config.steps):
-    chunks = [(gather(train, c), jnp.asarray(c.mask)) for c in sampler.sample(t)]
-    out = step(trained, state, chunks)
-    if remove_data:
-      data_sum = step.clipped_sum(trained, state, data, data_mask).total
-      residual = jax.tree.map(lambda r, a, b, s: r + (b - a) * undo_step + s,
-                              residual, trained, out.params, data_sum)
-    trained, state = out.params, out.opt_state
-  final = residual if remove_data else trained
+  residual = [params]
+
+  def remove(previous: LoopState, state: LoopState, out) -> None:
+    del out
+    data_sum = step.clipped_sum(previous.params, previous.opt_state, data, data_mask).total
+    residual[0] = jax.tree.map(lambda r, a, b, s: r + (b - a) * undo_step + s,
+                               residual[0], previous.params, state.params, data_sum)
+
+  # The audit accounts itself (ledger=None): a broken run is meant to overspend.
+  trained, _ = run_releases(
+      step, LoopState(params, optimizer.init(params), 0, 0), config.steps, sampler=sampler,
+      optimizer=optimizer, ledger=None, hooks=Hooks(after=remove if remove_data else None),
+      to_chunks=lambda padded, _: [(gather(train, c), jnp.asarray(c.mask)) for c in padded],
+  )
+  final = residual[0] if remove_data else trained.params
   in_scores, out_scores = split_scores(score(params, final), included)
   epsilon_hat = epsilon_one_run(in_scores, out_scores, config.significance, config.delta)
   fields = dataclasses.asdict(config)

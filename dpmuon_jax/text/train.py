@@ -73,6 +73,7 @@ from dpmuon_jax.text.gpt2 import (
 from dpmuon_jax.text.hf_weights import load_hf_gpt2
 from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+from dpmuon_jax.training.loop import Hooks, LoopState, run_releases
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
 
@@ -307,24 +308,30 @@ def train_lm(config: LMTrainConfig) -> dict:
   def validation_nll(params) -> float:
     return mean_token_nll(apply, params, valid_arrays, config.eval_batch_size)
 
-  started = time.perf_counter()
-  for step in range(config.steps):
-    if not ledger.can_release(1):
-      break
-    if step in config.diagnostic_steps:
-      checkpoint = ProtocolCheckpoint(params, ordered_history(opt_state), config.seed or 0, step)
-      diagnostic_rows += nonprivate_im_protocol(
+  def before(state: LoopState) -> None:
+    if state.step in config.diagnostic_steps:  # NON-PRIVATE probe, labelled as such
+      checkpoint = ProtocolCheckpoint(state.params, ordered_history(state.opt_state),
+                                      config.seed or 0, state.step)
+      diagnostic_rows.extend(nonprivate_im_protocol(
           loss_fn, [checkpoint], config.clip, settings.get("decay", 0.5),
-          settings.get("history", 1), probe, routing="paper2").rows
-    chunks = [(gather(train_arrays, c), jnp.asarray(c.mask)) for c in setup.sampler.sample(step)]
-    out = step_fn(params, opt_state, chunks)
-    params, opt_state = out.params, out.opt_state
-    ledger.record(setup.sampler, optimizer)
-    if (step + 1) % eval_every == 0 or step + 1 == config.steps:
-      history.append({"step": step + 1, "epsilon": ledger.epsilon(),
-                      "valid_nll": validation_nll(params),
+          settings.get("history", 1), probe, routing="paper2").rows)
+
+  def after(previous: LoopState, state: LoopState, out) -> None:
+    del previous, out
+    if state.step % eval_every == 0 or state.step == config.steps:
+      history.append({"step": state.step, "epsilon": ledger.epsilon(),
+                      "valid_nll": validation_nll(state.params),
                       "seconds": time.perf_counter() - started})
       print(json.dumps(history[-1]), flush=True)
+
+  started = time.perf_counter()
+  state, _ = run_releases(
+      step_fn, LoopState(params, opt_state, 0, 0), config.steps, sampler=setup.sampler,
+      optimizer=optimizer, ledger=ledger, hooks=Hooks(before, after),
+      to_chunks=lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask))
+                                   for c in padded],
+  )
+  params = state.params
   train_seconds = time.perf_counter() - started
   memory = peak_memory()
 
