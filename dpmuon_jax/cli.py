@@ -48,7 +48,18 @@ def _parser() -> argparse.ArgumentParser:
       prog="dpmuon", description=_DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
   )
   sub = parser.add_subparsers(dest="command", required=True)
+  _add_train(sub)
+  _add_export(sub)
+  sub.add_parser(
+      "audit",
+      help="one-run empirical privacy audit (dpmuon audit --help)",
+      add_help=False,
+  )
+  _add_account(sub)
+  return parser
 
+
+def _add_train(sub) -> None:
   from dpmuon_jax.data.loaders import TFDS_NAMES
   from dpmuon_jax.models.registry import MODEL_NAMES
   from dpmuon_jax.training.optimizer_registry import OPTIMIZERS
@@ -107,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--no-progress", dest="progress", action="store_false")
   train.add_argument("--no-plot", dest="plot", action="store_false")
 
+
+def _add_export(sub) -> None:
   export = sub.add_parser(
       "export",
       help="publish a run's parameters with a privacy certificate (no keys, no optimizer state)",
@@ -116,11 +129,8 @@ def _parser() -> argparse.ArgumentParser:
   export.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of a training run")
   export.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export)")
 
-  sub.add_parser(
-      "audit",
-      help="one-run empirical privacy audit (dpmuon audit --help)",
-      add_help=False,
-  )
+
+def _add_account(sub) -> None:
   account = sub.add_parser(
       "account",
       help="σ from ε, ε from σ, or a table of σ across batch sizes",
@@ -136,7 +146,6 @@ def _parser() -> argparse.ArgumentParser:
   account.add_argument("--batch-sizes", default=None,
                        help="comma-separated expected batch sizes for a σ table")
   account.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
-  return parser
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -127,6 +127,25 @@ def _canaries(config: AuditConfig, audit_key, x, y, classes, num_params):
   raise ValueError(f"scoring must be {WHITE_BOX!r} or {BLACK_BOX!r}, got {config.scoring!r}.")
 
 
+def _with_canaries(x, y, rows: dict, included: np.ndarray) -> dict:
+  """The training set: the data plus the canaries drawn into it."""
+  return {
+      "image": np.concatenate([x, rows["image"][included]]),
+      "label": np.concatenate([y, rows["label"][included]]),
+      "coordinate": np.concatenate(
+          [np.full(len(x), NOT_A_CANARY, np.int32), rows["coordinate"][included]]
+      ),
+  }
+
+
+def _data_rows(train: dict, num_data: int, multiple: int):
+  """The (non-canary) data rows of ``train`` as one padded batch and its mask."""
+  rows = -(-num_data // multiple) * multiple
+  padded = PaddedBatch(np.where(np.arange(rows) < num_data, np.arange(rows), PADDING_INDEX),
+                       np.arange(rows) < num_data)
+  return gather(train, padded), jnp.asarray(padded.mask)
+
+
 def audit(config: AuditConfig) -> dict:
   """Runs one audited training run; returns ε̂, the accountant's ε and the settings."""
   started = time.perf_counter()
@@ -136,13 +155,7 @@ def audit(config: AuditConfig) -> dict:
   num_params = ravel_pytree(params)[0].shape[0]
   rows, score = _canaries(config, audit_key, x, y, classes, num_params)
   included = canary_membership(audit_key, config.num_canaries)
-  train = {
-      "image": np.concatenate([x, rows["image"][included]]),
-      "label": np.concatenate([y, rows["label"][included]]),
-      "coordinate": np.concatenate(
-          [np.full(len(x), NOT_A_CANARY, np.int32), rows["coordinate"][included]]
-      ),
-  }
+  train = _with_canaries(x, y, rows, included)
   n = len(train["label"])
   root = root_key(config.seed)
   sigma = calibrate_noise_multiplier(
@@ -161,10 +174,7 @@ def audit(config: AuditConfig) -> dict:
   # iterate and knows the data removes the data's clipped sum from each release:
   # what is left is Σ_t (canary queries + noise), scored at the canaries.
   remove_data = config.scoring == WHITE_BOX and config.sampling_rate == 1.0
-  rows = -(-len(x) // multiple) * multiple
-  data_rows = PaddedBatch(np.where(np.arange(rows) < len(x), np.arange(rows), PADDING_INDEX),
-                          np.arange(rows) < len(x))
-  data, data_mask = gather(train, data_rows), jnp.asarray(data_rows.mask)
+  data, data_mask = _data_rows(train, len(x), multiple)
   undo_step = sampler.expected_batch_size / config.learning_rate  # θ_{t+1} − θ_t = −(lr/D)·G̃
   residual = [params]
 

@@ -294,6 +294,36 @@ def dp_release(
   Returns:
     A :class:`PrivateTransformation`; its ``release`` attribute describes it.
   """
+  spec, noise_key = _release_spec(
+      l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring, secure_noise
+  )
+
+  def init_fn(params):
+    del params
+    return GaussianReleaseState(jnp.zeros((), jnp.int32), noise_key)
+
+  def update_fn(updates, state, params=None, *, mask=None, **extra_args):
+    del extra_args
+    clipped = _checked_clipped_sum(updates, params, mask, spec)
+    if spec.secure_noise:
+      released = _secure_release(clipped.total, params, spec)
+    else:
+      step_key = jax.random.fold_in(state.noise_key, state.count)
+      std_on_sum = spec.noise_multiplier * spec.l2_clip_norm
+      noise = gaussian_noise_like(clipped.total, step_key, std_on_sum)
+      released = jax.tree.map(
+          lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
+          clipped.total, noise, params,
+      )
+    return released, GaussianReleaseState(state.count + 1, state.noise_key)
+
+  return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
+
+
+def _release_spec(
+    l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring, secure_noise
+) -> tuple[GaussianReleaseSpec, jax.Array]:
+  """Checks the settings of :func:`dp_release`; returns its spec and noise stream."""
   _validate(l2_clip_norm, noise_multiplier, denominator)
   if neighbouring not in (ADD_REMOVE, REPLACE_ONE):
     raise ValueError(f"neighbouring must be {ADD_REMOVE!r} or {REPLACE_ONE!r}.")
@@ -309,51 +339,35 @@ def dp_release(
       float(l2_clip_norm), float(noise_multiplier), float(denominator), seeded, neighbouring,
       clipping,
   )
-  noise_std_on_sum = spec.noise_multiplier * spec.l2_clip_norm
+  return spec, noise_key
 
-  def init_fn(params):
-    del params
-    return GaussianReleaseState(jnp.zeros((), jnp.int32), noise_key)
 
-  def update_fn(updates, state, params=None, *, mask=None, **extra_args):
-    del extra_args
-    if params is None:
-      raise ValueError(
-          "dp_release needs params (opt.update(per_example_grads, state, params)) to check "
-          "that its input has the parameters' shapes."
-      )
-    if isinstance(updates, ClippedSum):
-      if mask is not None:
-        raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
-      if updates.l2_sensitivity != spec.l2_clip_norm:
-        raise ValueError(
-            f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
-            f"clipped sum has sensitivity {updates.l2_sensitivity}."
-        )
-      check_sum_shapes(updates.total, params)
-      clipped = updates
-    else:
-      check_per_example_shapes(updates, params)
-      clipped = clip_and_sum(updates, mask, clipping)
-    if clipped.grid_bits != clipping.grid_bits:
-      raise ValueError(
-          f"The clipped sum's grid (grid_bits={clipped.grid_bits}) is not the release's "
-          f"({clipping.grid_bits}); build both from the optimizer's clipping rule."
-      )
-    if spec.secure_noise:
-      released = _secure_release(clipped.total, params, spec)
-      return released, GaussianReleaseState(state.count + 1, state.noise_key)
-    step_key = jax.random.fold_in(state.noise_key, state.count)
-    noise = gaussian_noise_like(clipped.total, step_key, noise_std_on_sum)
-    released = jax.tree.map(
-        lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
-        clipped.total,
-        noise,
-        params,
+def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> ClippedSum:
+  """The clipped sum of the release's input, after checking its shapes, bound and grid."""
+  if params is None:
+    raise ValueError(
+        "dp_release needs params (opt.update(per_example_grads, state, params)) to check "
+        "that its input has the parameters' shapes."
     )
-    return released, GaussianReleaseState(state.count + 1, state.noise_key)
-
-  return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
+  if isinstance(updates, ClippedSum):
+    if mask is not None:
+      raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
+    if updates.l2_sensitivity != spec.l2_clip_norm:
+      raise ValueError(
+          f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
+          f"clipped sum has sensitivity {updates.l2_sensitivity}."
+      )
+    check_sum_shapes(updates.total, params)
+    clipped = updates
+  else:
+    check_per_example_shapes(updates, params)
+    clipped = clip_and_sum(updates, mask, spec.clipping)
+  if clipped.grid_bits != spec.clipping.grid_bits:
+    raise ValueError(
+        f"The clipped sum's grid (grid_bits={clipped.grid_bits}) is not the release's "
+        f"({spec.clipping.grid_bits}); build both from the optimizer's clipping rule."
+    )
+  return clipped
 
 
 def optimizer_clipping(

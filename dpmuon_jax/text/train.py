@@ -35,7 +35,7 @@ import json
 import os
 import resource
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ from dpmuon_jax.privacy.inner_momentum import ordered_history
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
-from dpmuon_jax.privacy.setup import make_private
+from dpmuon_jax.privacy.setup import PrivateSetup, make_private
 from dpmuon_jax.spectral.polar_metrics import (
     ProtocolCheckpoint,
     ProtocolRow,
@@ -270,23 +270,30 @@ def score_split(apply, params, tokenizer, data: TextDataset, config: LMTrainConf
   return scores
 
 
-def train_lm(config: LMTrainConfig) -> dict:
-  """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
-  (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``."""
-  validate_config(config)
-  os.makedirs(config.output_dir, exist_ok=True)
+class _LMData(NamedTuple):
+  tokenizer: GPT2Tokenizer
+  valid: Any  # the validation split (pairs)
+  train_arrays: dict
+  valid_arrays: dict
+  num_pairs: int
+
+
+def _load_lm_data(config: LMTrainConfig) -> _LMData:
+  """Tokenizer, the training pairs (encoded) and the validation split."""
   tokenizer = GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
                             config.vocab_size)
   train = load_text_dataset(config.dataset, config.data_dir, config.train_split)
   valid = load_text_dataset(config.dataset, config.data_dir, "valid")
   pairs = train.pairs[:config.train_subset]
-  train_arrays = encode_pairs(tokenizer, pairs, config.max_length)
-  valid_arrays = encode_pairs(tokenizer, valid.pairs[:config.eval_pairs], config.max_length)
-  apply, params, gpt2_config, pretrained = load_model(config, tokenizer.vocab_size)
+  return _LMData(
+      tokenizer, valid, encode_pairs(tokenizer, pairs, config.max_length),
+      encode_pairs(tokenizer, valid.pairs[:config.eval_pairs], config.max_length), len(pairs),
+  )
 
-  n = len(pairs)
-  root = root_key(config.seed)
-  setup = make_private(
+
+def _lm_setup(config: LMTrainConfig, n: int, root) -> PrivateSetup:
+  """Sampler (q over the N training pairs), σ for (ε, δ, T), release and ledger."""
+  return make_private(
       target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=n,
       expected_batch_size=config.sampling_rate * n, l2_clip_norm=config.clip,
       steps=config.steps, key=root, accountant=config.accountant,
@@ -294,6 +301,20 @@ def train_lm(config: LMTrainConfig) -> dict:
       capacity=config.capacity or sharded_capacity(n, config.sampling_rate, 1,
                                                    config.microbatch_size),
   )
+
+
+def train_lm(config: LMTrainConfig) -> dict:
+  """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
+  (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``."""
+  validate_config(config)
+  os.makedirs(config.output_dir, exist_ok=True)
+  lm_data = _load_lm_data(config)
+  tokenizer = lm_data.tokenizer
+  train_arrays, valid_arrays, n = lm_data.train_arrays, lm_data.valid_arrays, lm_data.num_pairs
+  apply, params, gpt2_config, pretrained = load_model(config, tokenizer.vocab_size)
+
+  root = root_key(config.seed)
+  setup = _lm_setup(config, n, root)
   optimizer = lm_optimizer(config, setup.release_kwargs)
   loss_fn = lm_loss(apply)
   step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
@@ -331,20 +352,44 @@ def train_lm(config: LMTrainConfig) -> dict:
       to_chunks=lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask))
                                    for c in padded],
   )
-  params = state.params
   train_seconds = time.perf_counter() - started
   memory = peak_memory()
 
+  results = _lm_results(config, apply, state.params, lm_data, setup, ledger, history,
+                        validation_nll, gpt2_config, pretrained, root, train_seconds, memory)
+  _write_lm_outputs(config.output_dir, results, history, diagnostic_rows)
+  return results
+
+
+def _write_lm_outputs(output_dir: str, results: dict, history: list[dict],
+                      diagnostic_rows: list[ProtocolRow]) -> None:
+  """results.json, history.csv and (NON-PRIVATE) diagnostics.csv."""
+  if diagnostic_rows:
+    summary = summarise_protocol(diagnostic_rows)
+    results["nonprivate_diagnostics"] = {
+        name: getattr(summary, name)._asdict()
+        for name in ("polar_error", "cosine_error", "clipping_residual")}
+    write_csv(os.path.join(output_dir, "diagnostics.csv"),
+              [r._asdict() for r in diagnostic_rows])
+  write_csv(os.path.join(output_dir, "history.csv"), history)
+  with open(os.path.join(output_dir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2, default=float)
+
+
+def _lm_results(config, apply, params, lm_data: _LMData, setup, ledger, history, validation_nll,
+                gpt2_config, pretrained, root, train_seconds, memory) -> dict:
+  """Scores on the generation splits and the run's record (ε, σ, q, D, time, memory)."""
   scores = {}
   for split in config.generate_splits:
-    data = valid if split == "valid" else load_text_dataset(config.dataset, config.data_dir, split)
-    scores[split] = score_split(apply, params, tokenizer, data, config)
+    data = lm_data.valid if split == "valid" else load_text_dataset(
+        config.dataset, config.data_dir, split)
+    scores[split] = score_split(apply, params, lm_data.tokenizer, data, config)
   results = {
       "config": dataclasses.asdict(config),
       "pretrained": pretrained,
       "model": gpt2_config._asdict(),
       "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
-      "train_pairs": n,
+      "train_pairs": lm_data.num_pairs,
       "epsilon_spent": ledger.epsilon(),
       "delta": config.delta,
       "releases": ledger.count,
@@ -358,14 +403,4 @@ def train_lm(config: LMTrainConfig) -> dict:
       "scores": scores,
       "guarantee": "per run, for the training pairs; selection across runs is not covered",
   }
-  if diagnostic_rows:
-    summary = summarise_protocol(diagnostic_rows)
-    results["nonprivate_diagnostics"] = {
-        name: getattr(summary, name)._asdict()
-        for name in ("polar_error", "cosine_error", "clipping_residual")}
-    write_csv(os.path.join(config.output_dir, "diagnostics.csv"),
-                [r._asdict() for r in diagnostic_rows])
-  write_csv(os.path.join(config.output_dir, "history.csv"), history)
-  with open(os.path.join(config.output_dir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2, default=float)
   return results
