@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmuon_jax.linalg.newton_schulz import newton_schulz, newton_schulz_polynomial
 from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.optimizers_muon import dp_muon
 from dpmuon_jax.privacy.query import ClippedSum
-from dpmuon_jax.spectral.newton_schulz import newton_schulz, newton_schulz_polynomial
 
 # Relative Frobenius error bounds against the float64 reference.
 # bfloat16 rounding (2⁻⁸) is amplified by the polynomial's slope at small singular values.

@@ -43,16 +43,23 @@ from collections.abc import Sequence
 import optax
 
 from dpmuon_jax import checks
+from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
+from dpmuon_jax.linalg.scaling import DP_MUON_MAX_ASPECT_RATIO, DimensionNumbers
 from dpmuon_jax.optimizers_muon import routed_post_processing
 from dpmuon_jax.privacy.clipping import Clipping
-from dpmuon_jax.privacy.disk_query import DISK_PRESETS, disk_noise_multiplier, disk_query_spec
+from dpmuon_jax.privacy.disk_query import (
+    DISK_PRESETS,
+    disk_noise_multiplier,
+    disk_points,
+    disk_query,
+    single_point,
+)
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.query import GRADIENT_QUERY, QuerySpec
 from dpmuon_jax.privacy.release import ADD_REMOVE, PrivateTransformation, dp_release, privatize
-from dpmuon_jax.spectral.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
-from dpmuon_jax.spectral.scaling import DP_MUON_MAX_ASPECT_RATIO, DimensionNumbers
 from dpmuon_jax.transforms.filters import (
     DOPPLER_PRESETS,
+    applied_update,
     kalman_filter,
     low_pass_filter,
     record_applied_update,
@@ -66,6 +73,21 @@ COMPOSITIONS = (REPLACE, FEED)
 
 _DISK = DISK_PRESETS["disk"]
 _EMA = DOPPLER_PRESETS["ema0.9"]
+
+
+def disk_query_spec(kappa: float, gamma: float) -> QuerySpec:
+  """The :class:`~dpmuon_jax.privacy.query.QuerySpec` of DiSK with gain κ, extrapolation γ.
+
+  The query is :func:`~dpmuon_jax.privacy.disk_query.disk_query` at
+  (θ_t, θ_t + γ d_t), with d_t read by
+  :func:`~dpmuon_jax.transforms.filters.applied_update` from the
+  ``record_applied_update`` state in the optimizer state.
+  """
+  single_point(kappa, gamma)  # validate eagerly
+  return QuerySpec(
+      lambda loss_fn: disk_query(loss_fn, kappa, gamma),
+      lambda params, opt_state: disk_points(params, applied_update(opt_state), gamma),
+  )
 
 
 def _release(

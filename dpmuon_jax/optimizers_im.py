@@ -7,30 +7,86 @@
 Each is ONE release over the whole tree followed by post-processing
 (privacy invariant 7, docs/design.md). DP-Muon-IM changes only the query: its
 ``optimizer.query`` (used by :func:`dpmuon_jax.make_private_step`) reads the
-past states from the :func:`~dpmuon_jax.privacy.inner_momentum.param_history`
+past states from the :func:`~dpmuon_jax.transforms.history.param_history`
 transform in its chain; each example still contributes one clipped vector.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import jax
 import optax
 
 from dpmuon_jax import checks
+from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
+from dpmuon_jax.linalg.scaling import DP_MUON_MAX_ASPECT_RATIO, DimensionNumbers
 from dpmuon_jax.optimizers_muon import routed_post_processing
 from dpmuon_jax.privacy.clipping import Clipping
-from dpmuon_jax.privacy.inner_momentum import inner_momentum_spec, param_history
+from dpmuon_jax.privacy.inner_momentum import (
+    InnerMomentumInputs,
+    MuonGroup,
+    grouped_inner_momentum_query,
+    inner_momentum_settings,
+)
 from dpmuon_jax.privacy.keys import KeyLike, root_key
+from dpmuon_jax.privacy.query import LossFn, QueryFn, QuerySpec
 from dpmuon_jax.privacy.release import ADD_REMOVE, PrivateTransformation, dp_release, privatize
-from dpmuon_jax.spectral.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
-from dpmuon_jax.spectral.scaling import DP_MUON_MAX_ASPECT_RATIO, DimensionNumbers
 from dpmuon_jax.transforms.bias_correction import (
     KIM_FAN_NS_COEFFS,
     scale_by_adam_bc,
     scale_by_bias_corrected_orthogonalization,
 )
+from dpmuon_jax.transforms.history import find_history, param_history
 from dpmuon_jax.transforms.momentum import HEAVY_BALL, muon_momentum
 from dpmuon_jax.transforms.muon import scale_by_muon
-from dpmuon_jax.transforms.routing import Routing
+from dpmuon_jax.transforms.routing import MUON, Routing, muon_labels
+
+
+def muon_group(routing: Routing) -> MuonGroup:
+  """``params -> `` True for the leaves ``routing`` sends to Muon (the IM query's groups)."""
+  return lambda params: jax.tree.map(lambda label: label == MUON, muon_labels(params, routing))
+
+
+def inner_momentum_query(
+    loss_fn: LossFn,
+    history: int,
+    decay: float,
+    fallback_history: int | None = None,
+    fallback_decay: float | None = None,
+    routing: Routing = "paper1",
+) -> QueryFn:
+  """q_i = Σ_k w^{(g)}_k ∇ℓ(θ_{t−k}; x_i), the groups g given by ``routing``.
+
+  :func:`~dpmuon_jax.privacy.inner_momentum.grouped_inner_momentum_query` with
+  the Muon group of ``routing`` (see :mod:`dpmuon_jax.transforms.routing`; it
+  must match the optimizer's). ``query(inputs, example)`` takes an
+  :class:`~dpmuon_jax.privacy.inner_momentum.InnerMomentumInputs`.
+  """
+  return grouped_inner_momentum_query(
+      loss_fn, muon_group(routing), history, decay, fallback_history, fallback_decay
+  )
+
+
+def inner_momentum_spec(
+    history: int,
+    decay: float,
+    fallback_history: int | None = None,
+    fallback_decay: float | None = None,
+    routing: Routing = "paper1",
+) -> QuerySpec:
+  """The :class:`~dpmuon_jax.privacy.query.QuerySpec` of DP-Muon-IM.
+
+  Its inputs are (θ_t, the :class:`~dpmuon_jax.transforms.history.ParamHistoryState`
+  found in the optimizer state): both post-processing of earlier releases,
+  never the noise stream.
+  """
+  inner_momentum_settings(history, decay, fallback_history, fallback_decay)  # validate eagerly
+  make_query: Callable[[LossFn], QueryFn] = lambda loss_fn: inner_momentum_query(
+      loss_fn, history, decay, fallback_history, fallback_decay, routing
+  )
+  inputs = lambda params, opt_state: InnerMomentumInputs(params, find_history(opt_state))
+  return QuerySpec(make_query, inputs)
 
 
 def dp_muon_im(

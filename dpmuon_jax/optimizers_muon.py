@@ -31,11 +31,11 @@ from __future__ import annotations
 import optax
 
 from dpmuon_jax import checks
+from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
+from dpmuon_jax.linalg.scaling import DimensionNumbers
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import ADD_REMOVE, PrivateTransformation, dp_release, privatize
-from dpmuon_jax.spectral.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
-from dpmuon_jax.spectral.scaling import DimensionNumbers
 from dpmuon_jax.transforms.momentum import EMA
 from dpmuon_jax.transforms.muon import scale_by_muon, scale_by_muon_s
 from dpmuon_jax.transforms.routing import Routing, partition_muon

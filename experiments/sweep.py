@@ -187,9 +187,9 @@ def write_layer_report(exp: Experiment, data: ImageDataset, path: str) -> None:
   """NON-PRIVATE per-layer SNR at each batch size (probe batch, initial parameters)."""
   import jax.numpy as jnp
 
+  from dpmuon_jax.analysis.diagnostics import PrivacyBudget, nonprivate_layer_report
   from dpmuon_jax.data.images import normalize
   from dpmuon_jax.models.registry import model_and_loss
-  from dpmuon_jax.spectral.diagnostics import PrivacyBudget, nonprivate_layer_report
 
   model, loss_fn = model_and_loss(exp.model, data.num_classes, data.image_shape, seed=0,
                                   **exp.model_overrides)

@@ -27,7 +27,7 @@ import json
 import os
 import statistics
 
-from dpmuon_jax.spectral.polar_metrics import ProtocolRow, summarise_protocol
+from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
 from dpmuon_jax.training.records import write_csv
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment
@@ -96,7 +96,7 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   rows, diagnostics = [], []
   for variant, epsilon, seed in runs:
     config = run_config(exp, variant, epsilon, seed, out, data_dir, gpt2_dir, tiny)
-    results = train_lm(config)
+    results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None)
     rows.append(_row(variant.label, variant.optimizer, epsilon, seed, results))
     print(json.dumps(rows[-1]), flush=True)
     path = os.path.join(config.output_dir, "diagnostics.csv")

@@ -4,3 +4,17 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_data():
+  """80 random 8×8 grey images in 3 classes: 64 to train on, 16 to test (trainer tests)."""
+  from dpmuon_jax.data.images import ImageDataset
+
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
+  y = rng.integers(0, 3, size=(80,))
+  return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpmuon_jax.linalg.newton_schulz import newton_schulz
 from dpmuon_jax.optimizers_im import dp_adam_bc, dp_muon_bc
 from dpmuon_jax.privacy.keys import stream_key
 from dpmuon_jax.privacy.query import ClippedSum
 from dpmuon_jax.privacy.release import dp_release
-from dpmuon_jax.spectral.newton_schulz import newton_schulz
 from dpmuon_jax.transforms.bias_correction import (
     KIM_FAN_NS_COEFFS,
     BiasCorrectionState,

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from stats import chi2_quantile
 
+from dpmuon_jax.analysis import diagnostics as dg
+from dpmuon_jax.analysis import polar_metrics as pm
 from dpmuon_jax.optimizers_muon import dp_muon
-from dpmuon_jax.spectral import diagnostics as dg
-from dpmuon_jax.spectral import polar_metrics as pm
 from dpmuon_jax.training.step import make_private_step
+from dpmuon_jax.transforms import buffer_noise as bn
 from dpmuon_jax.transforms.momentum import muon_momentum
 
 BATCH = 16
@@ -44,7 +45,7 @@ def test_buffer_noise_factor_is_exact_per_step(beta, buffer, nesterov):
   steps = 7
   tx = muon_momentum(beta, nesterov, buffer)
   state = tx.init(jnp.zeros((steps,)))
-  spec = dg.BufferSpec(beta, buffer, nesterov)
+  spec = bn.BufferSpec(beta, buffer, nesterov)
   for t in range(1, steps + 1):
     out, state = tx.update(jnp.eye(steps, dtype=jnp.float32)[t - 1], state)
     coeffs = np.asarray(out, np.float64)
@@ -54,11 +55,11 @@ def test_buffer_noise_factor_is_exact_per_step(beta, buffer, nesterov):
 
 
 def test_steady_state_factors_match_the_notes():
-  assert dg.BufferSpec(0.95, "ema", False).steady_state_factor() == pytest.approx(0.160, abs=5e-4)
-  assert dg.DP_MUON_BUFFER.steady_state_factor() == pytest.approx(0.174, abs=5e-4)
-  assert dg.BufferSpec(0.9, "heavy_ball", False).steady_state_factor() == pytest.approx(
+  assert bn.BufferSpec(0.95, "ema", False).steady_state_factor() == pytest.approx(0.160, abs=5e-4)
+  assert bn.DP_MUON_BUFFER.steady_state_factor() == pytest.approx(0.174, abs=5e-4)
+  assert bn.BufferSpec(0.9, "heavy_ball", False).steady_state_factor() == pytest.approx(
       1 / math.sqrt(1 - 0.81))
-  assert dg.NO_MOMENTUM.factor(5) == 1.0
+  assert bn.NO_MOMENTUM.factor(5) == 1.0
 
 
 @pytest.mark.parametrize("shape", [(100, 400), (120, 120)])
@@ -72,7 +73,7 @@ def test_noise_operator_norm_matches_simulation(shape):
   t = math.sqrt(2 * math.log(2 * 6 / 1e-6)) * sigma * c / d
   assert max(norms) <= predicted + t
   assert min(norms) >= 0.93 * predicted
-  buffered = dg.noise_operator_norm(shape, sigma, c, d, dg.DP_MUON_BUFFER.steady_state_factor())
+  buffered = dg.noise_operator_norm(shape, sigma, c, d, bn.DP_MUON_BUFFER.steady_state_factor())
   assert buffered == pytest.approx(0.1743 * predicted, rel=1e-3)
 
 
@@ -149,7 +150,7 @@ def test_layer_report_rows_and_table():
   sigma, c, d = 1.0, 0.5, 64.0
   rows = dg.nonprivate_layer_report(_loss, params, batch, c, sigma, d, step=3)
   assert [r.path for r in rows] == ["dense/kernel", "out/kernel"]
-  factor = float(dg.DP_MUON_BUFFER.factor(3))
+  factor = float(bn.DP_MUON_BUFFER.factor(3))
   for r in rows:
     assert r.noise_norm == pytest.approx(dg.noise_operator_norm(r.shape, sigma, c, d))
     assert r.buffer_noise_norm == pytest.approx(factor * r.noise_norm)

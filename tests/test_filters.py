@@ -11,6 +11,7 @@ from stats import std_interval
 
 from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.optimizers_filters import (
+    disk_query_spec,
     dp_disk_muon,
     dp_disk_sgd,
     dp_doppler_muon,
@@ -19,10 +20,8 @@ from dpmuon_jax.optimizers_filters import (
 from dpmuon_jax.privacy.clipping import as_clipping
 from dpmuon_jax.privacy.disk_query import (
     DISK_PRESETS,
-    applied_update,
     disk_noise_multiplier,
     disk_query,
-    disk_query_spec,
     disk_weight,
 )
 from dpmuon_jax.privacy.query import add_batch_axis, clipped_sum, zeros_clipped_sum
@@ -30,6 +29,7 @@ from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms.filters import (
     DOPPLER_PRESETS,
     AppliedUpdateState,
+    applied_update,
     kalman_filter,
     low_pass_filter,
 )

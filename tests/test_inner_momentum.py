@@ -7,19 +7,17 @@ import numpy as np
 import pytest
 from stats import std_interval
 
-from dpmuon_jax.optimizers_im import dp_muon_im
+from dpmuon_jax.optimizers_im import dp_muon_im, inner_momentum_query
 from dpmuon_jax.optimizers_muon import dp_muon
 from dpmuon_jax.privacy.clipping import flat_clipping, flat_norm
 from dpmuon_jax.privacy.inner_momentum import (
     PAPER2_PRESETS,
     InnerMomentumInputs,
-    find_history,
-    inner_momentum_query,
     inner_momentum_weights,
-    param_history,
 )
 from dpmuon_jax.privacy.query import clipped_sum
 from dpmuon_jax.training.step import make_private_step
+from dpmuon_jax.transforms.history import find_history, param_history
 
 
 def _quadratic_loss(params, batch):

@@ -10,10 +10,8 @@ import os
 import shutil
 
 import chex
-import numpy as np
 import pytest
 
-from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.privacy.release import noise_counter
 from dpmuon_jax.training.journal import (
     JournalEntry,
@@ -48,14 +46,6 @@ def test_journal_is_durable_owner_only_and_tolerates_a_torn_line(tmp_path):
   entries = read_journal(path)
   assert [e.key_index for e in entries] == [0, 1, 2]
   assert entries[-1].fingerprint == "torn"
-
-
-@pytest.fixture(scope="module")
-def tiny_data():
-  rng = np.random.default_rng(0)
-  x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
-  y = rng.integers(0, 3, size=(80,))
-  return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
 
 
 def _config(tmp_path, name, **kw):

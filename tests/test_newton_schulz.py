@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from optax.contrib._muon import _DION_NS_COEFFS, orthogonalize_via_newton_schulz
 
-from dpmuon_jax.spectral.newton_schulz import (
+from dpmuon_jax.linalg.newton_schulz import (
     DEFAULT_NS_COEFFS,
     POLAR_EXPRESS,
     coefficient_schedule,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpmuon_jax.spectral.newton_schulz import newton_schulz, newton_schulz_polynomial
+from dpmuon_jax.linalg.newton_schulz import newton_schulz, newton_schulz_polynomial
 
 M, N = 100, 400
 C_RATIO = M / N

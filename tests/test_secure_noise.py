@@ -139,19 +139,14 @@ def test_a_float_sum_is_refused_by_a_secure_release():
     release.update(float_sum, release.init(params), params)
 
 
-def test_the_trainer_runs_with_secure_noise_and_certifies_it(tmp_path):
-  from dpmuon_jax.data.images import ImageDataset
+def test_the_trainer_runs_with_secure_noise_and_certifies_it(tmp_path, tiny_data):
   from dpmuon_jax.training.export import load_exported
   from dpmuon_jax.training.trainer import TrainConfig, train
 
-  rng = np.random.default_rng(0)
-  x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
-  y = rng.integers(0, 3, size=(80,))
-  data = ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
   config = TrainConfig(model="cnn", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
                        epochs=1, max_steps=2, seed=3, output_dir=str(tmp_path / "run"),
                        progress=False, plot=False, learning_rate=0.1, secure_noise=True)
-  results = train(config, data)
+  results = train(config, tiny_data)
   assert results["secure_noise"] and results["clipping"]["grid_bits"] == DEFAULT_GRID_BITS
   certificate = load_exported(results["export"]).certificate
   assert certificate["secure_noise"] is True

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from dpmuon_jax.spectral.diagnostics import DP_MUON_BUFFER, NO_MOMENTUM
 from dpmuon_jax.transforms import selective as sel
+from dpmuon_jax.transforms.buffer_noise import DP_MUON_BUFFER, NO_MOMENTUM
 from dpmuon_jax.transforms.muon import scale_by_orthogonalization
 
 S = 0.01  # per-entry noise std of the release

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpmuon_jax.spectral import shrinkage as sh
-from dpmuon_jax.spectral.diagnostics import BufferSpec
-from dpmuon_jax.spectral.polar_metrics import polar_error
+from dpmuon_jax.analysis.polar_metrics import polar_error
+from dpmuon_jax.transforms import shrinkage as sh
+from dpmuon_jax.transforms.buffer_noise import BufferSpec
 from dpmuon_jax.transforms.muon import scale_by_orthogonalization
 
 # Reference values computed independently: β, λ*(β), μ_β, ω exact, ω poly.

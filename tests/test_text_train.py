@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from dpmuon_jax.privacy.accounting import compute_epsilon
-from dpmuon_jax.privacy.inner_momentum import ordered_history, param_history
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
+from dpmuon_jax.transforms.history import ordered_history, param_history
 from experiments import text_sweep
 from experiments.text_configs import TEXT_EXPERIMENTS, im_preset
 

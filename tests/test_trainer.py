@@ -7,19 +7,10 @@ import chex
 import numpy as np
 import pytest
 
-from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.privacy.accounting import compute_epsilon
 from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import TrainingCheckpoint, latest_step, restore_checkpoint
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
-
-
-@pytest.fixture(scope="module")
-def tiny_data():
-  rng = np.random.default_rng(0)
-  x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
-  y = rng.integers(0, 3, size=(80,))
-  return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
 
 
 def _config(tmp_path, name, **kw):

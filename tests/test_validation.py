@@ -9,7 +9,6 @@ import optax
 import pytest
 
 from dpmuon_jax import checks
-from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
 from dpmuon_jax.optimizers_filters import (
     dp_disk_muon,
@@ -165,14 +164,6 @@ def test_check_messages_name_option_value_and_range():
 
 
 # -------------------------------------------------------------------------------- run configs
-
-
-@pytest.fixture(scope="module")
-def tiny_data():
-  rng = np.random.default_rng(0)
-  x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
-  y = rng.integers(0, 3, size=(80,))
-  return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
 
 
 @pytest.mark.parametrize(

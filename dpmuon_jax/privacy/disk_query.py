@@ -2,12 +2,13 @@
 
     q_i = c · ∇ℓ(θ_t + γ d_t; x_i) + (1−c) · ∇ℓ(θ_t; x_i),    c = (1−κ) / (κγ)
 
-d_t is the update applied at the previous step (d_0 = 0), read from the
-:class:`~dpmuon_jax.transforms.filters.AppliedUpdateState` that
-:func:`~dpmuon_jax.transforms.filters.record_applied_update` keeps in the
-optimizer state. θ_t and d_t are functions of earlier releases, so using them
-is post-processing. The combined vector q_i is clipped as ONE vector by the
-shared :func:`~dpmuon_jax.privacy.query.clipped_sum`, so each example still
+d_t is the update applied at the previous step (d_0 = 0). This module holds
+the query's math on explicit inputs (θ_t, d_t); the optimizer's post-processing
+keeps d_t (``record_applied_update`` in :mod:`dpmuon_jax.transforms.filters`),
+and the DiSK optimizers' ``QuerySpec`` reads it from there. θ_t and d_t are
+functions of earlier releases, so using them is post-processing. The combined
+vector q_i is clipped as ONE vector by the shared
+:func:`~dpmuon_jax.privacy.query.clipped_sum`, so each example still
 contributes norm ≤ C and the release adds exactly σC of noise: the accounting
 is DP-SGD's (q, σ, T).
 
@@ -33,8 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dpmuon_jax.privacy.query import LossFn, QueryFn, QuerySpec, add_batch_axis
-from dpmuon_jax.transforms.filters import AppliedUpdateState
+from dpmuon_jax.privacy.query import LossFn, QueryFn, add_batch_axis
 
 PyTree = Any
 
@@ -133,38 +133,12 @@ def disk_query(loss_fn: LossFn, kappa: float, gamma: float) -> QueryFn:
   return two_point_query
 
 
-def applied_update(opt_state: Any) -> PyTree:
-  """d_t: the tree of the (unique) ``AppliedUpdateState`` inside ``opt_state``."""
-  found = [
-      node
-      for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AppliedUpdateState))
-      if isinstance(node, AppliedUpdateState)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-        f"DiSK's query needs exactly one AppliedUpdateState in the optimizer state, found "
-        f"{len(found)}; put record_applied_update() last in the post-processing chain."
-    )
-  return found[0].applied_update
-
-
-def disk_inputs(gamma: float):
-  """``(params, opt_state) -> (θ_t, θ_t + γ d_t)``."""
+def disk_points(params: PyTree, applied_update: PyTree, gamma: float) -> tuple[PyTree, PyTree]:
+  """(θ_t, θ_t + γ d_t), the inputs of :func:`disk_query` (sums in float32, cast back)."""
   gamma = float(gamma)
-
-  def inputs(params: PyTree, opt_state: Any) -> tuple[PyTree, PyTree]:
-    d = applied_update(opt_state)
-    extrapolated = jax.tree.map(
-        lambda p, u: (p.astype(jnp.float32) + gamma * u.astype(jnp.float32)).astype(p.dtype),
-        params,
-        d,
-    )
-    return params, extrapolated
-
-  return inputs
-
-
-def disk_query_spec(kappa: float, gamma: float) -> QuerySpec:
-  """The :class:`~dpmuon_jax.privacy.query.QuerySpec` of DiSK with gain κ, extrapolation γ."""
-  single_point(kappa, gamma)  # validate eagerly
-  return QuerySpec(lambda loss_fn: disk_query(loss_fn, kappa, gamma), disk_inputs(gamma))
+  extrapolated = jax.tree.map(
+      lambda p, u: (p.astype(jnp.float32) + gamma * u.astype(jnp.float32)).astype(p.dtype),
+      params,
+      applied_update,
+  )
+  return params, extrapolated

@@ -27,9 +27,12 @@ also docs/design.md, "Inner momentum"): the past states θ_{t−k} are
 functions of earlier releases and public settings only, so this is adaptive
 composition of the same Poisson-sampled Gaussian mechanism.
 The states live in the optimizer's post-processing state: the
-:func:`param_history` transform, placed in the private optimizer's chain,
-stores the parameters it sees at update time (θ_t) in a ring buffer of K
-slots; the query's inputs are read from it by :func:`inner_momentum_spec`.
+``param_history`` transform (:mod:`dpmuon_jax.transforms.history`), placed in
+the private optimizer's chain, stores the parameters it sees at update time
+(θ_t) in a ring buffer of K slots. This module holds the query's math on
+explicit inputs (θ_t, that ring buffer, the weights, which leaves form the
+Muon group); DP-Muon-IM's ``QuerySpec`` (``dpmuon_jax.optimizers_im``) reads
+the inputs out of the optimizer state and the routing.
 
 Cost: (K_max + 1) gradient evaluations per example at every step (static
 shapes: before K states exist the missing terms are computed on copies of θ₀
@@ -58,11 +61,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.privacy.query import LossFn, QueryFn, QuerySpec, add_batch_axis
-from dpmuon_jax.transforms.routing import MUON, Routing, muon_labels
+from dpmuon_jax.privacy.query import LossFn, QueryFn, add_batch_axis
 
 PyTree = Any
 
@@ -86,53 +87,6 @@ PAPER2_PRESETS: dict[str, InnerMomentumSettings] = {
 """Paper 2's (K, γ) per group (appendix C); see the module docstring."""
 
 
-class ParamHistoryState(NamedTuple):
-  """The last ``K`` parameter states θ_{t−1}, …, θ_{t−K} in a ring buffer.
-
-  Attributes:
-    states: pytree like the parameters, each leaf with a leading axis of K
-      slots; slot ``(count − k) mod K`` holds θ_{t−k} for 1 ≤ k ≤ min(K, count).
-    count: how many states have been stored (= releases made), int32.
-  """
-
-  states: PyTree
-  count: jax.Array
-
-
-def param_history(max_states: int) -> optax.GradientTransformation:
-  """Stores the parameters θ_t it sees at update time; passes the updates through.
-
-  Post-processing (no privacy cost): θ_t is a function of the releases before
-  step t. Slots not yet written hold copies of θ₀ (so gradients there are
-  finite); the query weights them zero.
-
-  Args:
-    max_states: K, the number of past states kept (0 keeps none).
-  """
-  if isinstance(max_states, bool) or int(max_states) != max_states or max_states < 0:
-    raise ValueError(f"max_states must be a non-negative int, got {max_states!r}.")
-  max_states = int(max_states)
-
-  def init_fn(params):
-    states = jax.tree.map(
-        lambda p: jnp.broadcast_to(jnp.asarray(p), (max_states,) + jnp.shape(p)).copy(), params
-    )
-    return ParamHistoryState(states, jnp.zeros((), jnp.int32))
-
-  def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError("param_history needs the current params in update(updates, state, params).")
-    if max_states == 0:
-      return updates, ParamHistoryState(state.states, state.count + 1)
-    slot = state.count % max_states
-    states = jax.tree.map(
-        lambda h, p: h.at[slot].set(jnp.asarray(p, h.dtype)), state.states, params
-    )
-    return updates, ParamHistoryState(states, state.count + 1)
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
 def inner_momentum_weights(count: jax.Array, history: int, decay: float, slots: int) -> jax.Array:
   """(w_0, …, w_slots) with w_k = γ^k·[k ≤ K_t] / Σ_{j ≤ K_t} γ^j, K_t = min(K, count).
 
@@ -150,7 +104,7 @@ def _validate(history: int, decay: float, prefix: str = "") -> None:
   checks.check_in_range(f"{prefix}decay", decay, 0.0, 1.0, low_inclusive=False)
 
 
-def _group_settings(
+def inner_momentum_settings(
     history: int, decay: float, fallback_history: int | None, fallback_decay: float | None
 ) -> InnerMomentumSettings:
   """Both groups' (K, γ), the fallback's defaulting to the Muon group's, validated."""
@@ -162,36 +116,51 @@ def _group_settings(
 
 
 class InnerMomentumInputs(NamedTuple):
-  """The public inputs of the inner-momentum query: θ_t and the history."""
+  """The public inputs of the inner-momentum query: θ_t and the history.
+
+  Attributes:
+    params: θ_t.
+    history: the ring buffer of past states, with ``states`` (a pytree like
+      the parameters, each leaf with a leading axis of K slots; slot
+      ``(count − k) mod K`` holds θ_{t−k} for 1 ≤ k ≤ min(K, count)) and
+      ``count`` (states stored so far), e.g. the
+      :class:`~dpmuon_jax.transforms.history.ParamHistoryState` of
+      ``param_history``.
+  """
 
   params: PyTree
-  history: ParamHistoryState
+  history: Any
 
 
-def inner_momentum_query(
+MuonGroup = Callable[[PyTree], PyTree]
+"""``in_muon_group(params)``: a pytree like ``params`` of Python bools, True for
+the leaves that take the Muon group's (K, γ)."""
+
+
+def grouped_inner_momentum_query(
     loss_fn: LossFn,
+    in_muon_group: MuonGroup,
     history: int,
     decay: float,
     fallback_history: int | None = None,
     fallback_decay: float | None = None,
-    routing: Routing = "paper1",
 ) -> QueryFn:
   """q_i = Σ_k w^{(g)}_k ∇ℓ(θ_{t−k}; x_i), per leaf with the weights of its group g.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, called on one example.
+    in_muon_group: which leaves are in the Muon group (a :data:`MuonGroup`,
+      evaluated on θ_t); it must match the optimizer's routing.
     history, decay: (K, γ) of the Muon group.
     fallback_history, fallback_decay: (K, γ) of the fallback group; ``None``:
       the Muon group's.
-    routing: which leaves are in the Muon group (see
-      :mod:`dpmuon_jax.transforms.routing`); it must match the optimizer's.
 
   Returns:
     ``query(inputs, example)`` with ``inputs`` an :class:`InnerMomentumInputs`
     whose history has at least max(K, K′) slots. With K = K′ = 0 this is the
     plain gradient times 1.0, i.e. bit-identical to the standard query.
   """
-  history, decay, fallback_history, fallback_decay = _group_settings(
+  history, decay, fallback_history, fallback_decay = inner_momentum_settings(
       history, decay, fallback_history, fallback_decay
   )
   slots = max(history, fallback_history)
@@ -205,7 +174,7 @@ def inner_momentum_query(
         True: inner_momentum_weights(count, history, decay, slots),
         False: inner_momentum_weights(count, fallback_history, fallback_decay, slots),
     }
-    in_muon = jax.tree.map(lambda label: label == MUON, muon_labels(params, routing))
+    in_muon = in_muon_group(params)
     num_slots = jax.tree.leaves(past.states)[0].shape[0] if jax.tree.leaves(past.states) else 0
     if num_slots < slots:
       raise ValueError(f"The parameter history has {num_slots} slots; this query needs {slots}.")
@@ -225,56 +194,3 @@ def inner_momentum_query(
     return total
 
   return query
-
-
-def _search_history(opt_state: Any) -> ParamHistoryState | None:
-  if isinstance(opt_state, ParamHistoryState):
-    return opt_state
-  if isinstance(opt_state, dict):
-    children = tuple(opt_state.values())
-  elif isinstance(opt_state, (tuple, list)):
-    children = tuple(opt_state)
-  else:
-    children = ()
-  for child in children:
-    found = _search_history(child)
-    if found is not None:
-      return found
-  return None
-
-
-def find_history(opt_state: Any) -> ParamHistoryState:
-  """The (first) :class:`ParamHistoryState` inside a nested optimizer state."""
-  found = _search_history(opt_state)
-  if found is None:
-    raise LookupError("No ParamHistoryState in the optimizer state; chain param_history().")
-  return found
-
-
-def ordered_history(opt_state: Any) -> list[PyTree]:
-  """[θ_{t−1}, θ_{t−2}, …, θ_{t−K_t}] from the ring buffer in ``opt_state``, most recent first."""
-  history = find_history(opt_state)
-  count = int(history.count)
-  slots = jax.tree.leaves(history.states)[0].shape[0]
-  return [jax.tree.map(lambda s, k=k: s[(count - k) % slots], history.states)
-          for k in range(1, min(count, slots) + 1)]
-
-
-def inner_momentum_spec(
-    history: int,
-    decay: float,
-    fallback_history: int | None = None,
-    fallback_decay: float | None = None,
-    routing: Routing = "paper1",
-) -> QuerySpec:
-  """The :class:`~dpmuon_jax.privacy.query.QuerySpec` of DP-Muon-IM.
-
-  Its inputs are (θ_t, the :class:`ParamHistoryState` found in the optimizer
-  state): both post-processing of earlier releases, never the noise stream.
-  """
-  _group_settings(history, decay, fallback_history, fallback_decay)  # validate eagerly
-  make_query: Callable[[LossFn], QueryFn] = lambda loss_fn: inner_momentum_query(
-      loss_fn, history, decay, fallback_history, fallback_decay, routing
-  )
-  inputs = lambda params, opt_state: InnerMomentumInputs(params, find_history(opt_state))
-  return QuerySpec(make_query, inputs)

@@ -17,12 +17,13 @@ only; the guarantee covers the training pairs and is per run (selecting
 settings across runs, as paper 2 does by validation loss on seed 37, is not
 covered).
 
-``diagnostic_steps`` runs paper 2's NON-PRIVATE polar-error /
-clipping-residual probe (:func:`dpmuon_jax.spectral.polar_metrics.nonprivate_im_protocol`)
-before the update at those steps, on a fixed probe batch of training pairs,
-with the run's own stored states (figures 3–4). Its output is analysis only:
-it reads per-example gradients before noise and is not covered by the
-guarantee.
+``diagnostic_steps`` runs a NON-PRIVATE :class:`DiagnosticProbe` passed to
+:func:`train_lm` before the update at those steps, on a fixed probe batch of
+training pairs, with the run's own stored states: paper 2's polar-error /
+clipping-residual probe (figures 3–4) is
+:class:`dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe`. Its output is
+analysis only: it reads per-example gradients before noise and is not
+covered by the guarantee.
 
 Wall time and peak memory (the device's peak allocation where the backend
 reports it, and the process's peak RSS) are recorded for the K sweep of §5.3.
@@ -35,7 +36,8 @@ import json
 import os
 import resource
 import time
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +50,10 @@ from dpmuon_jax.optimizers_filters import dp_disk_muon
 from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
 from dpmuon_jax.optimizers_muon import dp_muon
 from dpmuon_jax.privacy.accounting import RDP
-from dpmuon_jax.privacy.inner_momentum import ordered_history
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
-from dpmuon_jax.spectral.polar_metrics import (
-    ProtocolCheckpoint,
-    ProtocolRow,
-    nonprivate_im_protocol,
-    summarise_protocol,
-)
 from dpmuon_jax.text.data import TextDataset, encode_pairs, encode_prompts, load_text_dataset
 from dpmuon_jax.text.generate import beam_search, decode_texts, greedy_decode
 from dpmuon_jax.text.gpt2 import (
@@ -76,6 +71,7 @@ from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.training.loop import Hooks, LoopState, run_releases
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
+from dpmuon_jax.transforms.history import ordered_history
 
 PyTree = Any
 
@@ -88,6 +84,24 @@ LM_OPTIMIZERS = {
 """Optimizers of paper 2's tables; each gets ``routing="paper2"`` and an AdamW fallback."""
 
 MODEL_PRESETS = {"gpt2": GPT2_SMALL, "gpt2_tiny": GPT2_TINY, "gpt2_cpu": GPT2_CPU}
+
+
+class DiagnosticProbe(Protocol):
+  """NON-PRIVATE analysis of a run at ``config.diagnostic_steps`` (see :func:`train_lm`).
+
+  It reads a probe batch of training pairs beyond the releases: its output is
+  not covered by the guarantee and never feeds back into training.
+  """
+
+  def rows(self, loss_fn, params: PyTree, past_states: Sequence[PyTree], step: int,
+           config: LMTrainConfig, probe_batch: PyTree) -> Sequence[NamedTuple]:
+    """Rows (NamedTuples, written to ``diagnostics.csv``) at θ_t = ``params``, with
+    [θ_{t−1}, θ_{t−2}, …] (most recent first) from the optimizer state."""
+    ...
+
+  def summary(self, rows: Sequence[NamedTuple]) -> dict:
+    """The JSON-able ``results["nonprivate_diagnostics"]`` of all the rows."""
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,10 +317,18 @@ def _lm_setup(config: LMTrainConfig, n: int, root) -> PrivateSetup:
   )
 
 
-def train_lm(config: LMTrainConfig) -> dict:
+def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dict:
   """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
-  (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``."""
+  (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``.
+
+  ``probe`` is the NON-PRIVATE analysis run at ``config.diagnostic_steps``
+  (required with them), e.g.
+  :class:`dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe`.
+  """
   validate_config(config)
+  if config.diagnostic_steps and probe is None:
+    raise ValueError("diagnostic_steps need a probe: pass e.g. "
+                     "probe=dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe().")
   os.makedirs(config.output_dir, exist_ok=True)
   lm_data = _load_lm_data(config)
   tokenizer = lm_data.tokenizer
@@ -320,9 +342,8 @@ def train_lm(config: LMTrainConfig) -> dict:
   step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
   opt_state = optimizer.init(params)
   ledger = setup.ledger
-  probe = {k: v[:config.diagnostic_examples] for k, v in train_arrays.items()}
-  settings = config.optimizer_kwargs
-  diagnostic_rows: list[ProtocolRow] = []
+  probe_batch = {k: v[:config.diagnostic_examples] for k, v in train_arrays.items()}
+  diagnostic_rows: list[NamedTuple] = []
   history: list[dict] = []
   eval_every = config.eval_every or config.steps
 
@@ -331,11 +352,8 @@ def train_lm(config: LMTrainConfig) -> dict:
 
   def before(state: LoopState) -> None:
     if state.step in config.diagnostic_steps:  # NON-PRIVATE probe, labelled as such
-      checkpoint = ProtocolCheckpoint(state.params, ordered_history(state.opt_state),
-                                      config.seed or 0, state.step)
-      diagnostic_rows.extend(nonprivate_im_protocol(
-          loss_fn, [checkpoint], config.clip, settings.get("decay", 0.5),
-          settings.get("history", 1), probe, routing="paper2").rows)
+      diagnostic_rows.extend(probe.rows(loss_fn, state.params, ordered_history(state.opt_state),
+                                        state.step, config, probe_batch))
 
   def after(previous: LoopState, state: LoopState, out) -> None:
     del previous, out
@@ -357,18 +375,15 @@ def train_lm(config: LMTrainConfig) -> dict:
 
   results = _lm_results(config, apply, state.params, lm_data, setup, ledger, history,
                         validation_nll, gpt2_config, pretrained, root, train_seconds, memory)
-  _write_lm_outputs(config.output_dir, results, history, diagnostic_rows)
+  _write_lm_outputs(config.output_dir, results, history, diagnostic_rows, probe)
   return results
 
 
 def _write_lm_outputs(output_dir: str, results: dict, history: list[dict],
-                      diagnostic_rows: list[ProtocolRow]) -> None:
+                      diagnostic_rows: list[NamedTuple], probe: DiagnosticProbe | None) -> None:
   """results.json, history.csv and (NON-PRIVATE) diagnostics.csv."""
   if diagnostic_rows:
-    summary = summarise_protocol(diagnostic_rows)
-    results["nonprivate_diagnostics"] = {
-        name: getattr(summary, name)._asdict()
-        for name in ("polar_error", "cosine_error", "clipping_residual")}
+    results["nonprivate_diagnostics"] = probe.summary(diagnostic_rows)
     write_csv(os.path.join(output_dir, "diagnostics.csv"),
               [r._asdict() for r in diagnostic_rows])
   write_csv(os.path.join(output_dir, "history.csv"), history)

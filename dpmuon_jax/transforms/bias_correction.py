@@ -51,9 +51,8 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.privacy.keys import KeyLike, stream_key
-from dpmuon_jax.spectral.newton_schulz import Coeffs, CoeffsLike, newton_schulz
-from dpmuon_jax.spectral.scaling import (
+from dpmuon_jax.linalg.newton_schulz import Coeffs, CoeffsLike, newton_schulz
+from dpmuon_jax.linalg.scaling import (
     DP_MUON_MAX_ASPECT_RATIO,
     DimensionNumbers,
     aspect_factor,
@@ -61,6 +60,7 @@ from dpmuon_jax.spectral.scaling import (
     matrix_view,
     path_names,
 )
+from dpmuon_jax.privacy.keys import KeyLike, stream_key
 from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL
 from dpmuon_jax.transforms.muon import check_newton_schulz
 

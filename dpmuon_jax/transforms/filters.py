@@ -115,8 +115,8 @@ def kalman_filter(kappa: float) -> optax.GradientTransformation:
 class AppliedUpdateState(NamedTuple):
   """The update d_t output by the previous step (DiSK's ``kf_d_t``); zeros before step 1.
 
-  :mod:`dpmuon_jax.privacy.disk_query` finds this state by its type inside
-  the optimizer state, so a DiSK optimizer must hold exactly one.
+  :func:`applied_update` finds this state by its type inside the optimizer
+  state, so a DiSK optimizer must hold exactly one.
   """
 
   applied_update: PyTree
@@ -138,6 +138,25 @@ def record_applied_update() -> optax.GradientTransformation:
     return updates, AppliedUpdateState(recorded)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def applied_update(opt_state: Any) -> PyTree:
+  """d_t: the tree of the (unique) :class:`AppliedUpdateState` inside ``opt_state``.
+
+  DiSK's query (:mod:`dpmuon_jax.privacy.disk_query`) evaluates the gradient at
+  θ_t + γ d_t; this reads d_t from the optimizer's post-processing state.
+  """
+  found = [
+      node
+      for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AppliedUpdateState))
+      if isinstance(node, AppliedUpdateState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+        f"DiSK's query needs exactly one AppliedUpdateState in the optimizer state, found "
+        f"{len(found)}; put record_applied_update() last in the post-processing chain."
+    )
+  return found[0].applied_update
 
 
 # ---------------------------------------------------------------------------------- DOPPLER filter

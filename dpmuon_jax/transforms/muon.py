@@ -21,7 +21,7 @@ DP-Muon-S (``scale_by_muon_s``, paper 1 design 4, by default with design 1's M_t
 with σ₁ from power iteration warm-started at the previous step's vector. Every
 leaf these transforms see must have rank ≥ 2 (route the others elsewhere, see
 :mod:`dpmuon_jax.transforms.routing`); each is viewed as fan_in × fan_out
-matrices (:mod:`dpmuon_jax.spectral.scaling`).
+matrices (:mod:`dpmuon_jax.linalg.scaling`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.spectral.newton_schulz import (
+from dpmuon_jax.linalg.newton_schulz import (
     DEFAULT_NS_COEFFS,
     CoeffsLike,
     coefficient_schedule,
     newton_schulz,
 )
-from dpmuon_jax.spectral.power_iteration import exact_top_singular, power_iteration
-from dpmuon_jax.spectral.scaling import (
+from dpmuon_jax.linalg.power_iteration import exact_top_singular, power_iteration
+from dpmuon_jax.linalg.scaling import (
     DP_MUON_MAX_ASPECT_RATIO,
     DimensionNumbers,
     aspect_factor,
@@ -97,7 +97,7 @@ def scale_by_orthogonalization(
     ns_steps, ns_coeffs, eps, ns_dtype, precision: see
       :func:`dpmuon_jax.newton_schulz` (``ns_dtype`` is its ``dtype``).
     dimension_numbers: per-leaf matrix views (see
-      :mod:`dpmuon_jax.spectral.scaling`); ``None``: (in…, out) layouts.
+      :mod:`dpmuon_jax.linalg.scaling`); ``None``: (in…, out) layouts.
     max_aspect_ratio: r_max (4 for DP-Muon); ``None``: no cap.
   """
   check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)

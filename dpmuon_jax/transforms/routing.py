@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dpmuon_jax.spectral.scaling import Path, path_names
+from dpmuon_jax.linalg.scaling import Path, path_names
 
 PyTree = Any
 RouteFn = Callable[[Path, jax.Array], bool]

@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.spectral.diagnostics import DP_MUON_BUFFER, BufferSpec
-from dpmuon_jax.spectral.scaling import (
+from dpmuon_jax.linalg.scaling import (
   DimensionNumbers,
   dimension_numbers_fn,
   matrix_view,
   path_names,
 )
+from dpmuon_jax.transforms.buffer_noise import DP_MUON_BUFFER, BufferSpec
 from dpmuon_jax.transforms.muon import scale_by_orthogonalization
 
 PyTree = Any
@@ -97,7 +97,7 @@ def selective_orthogonalization(
   Args:
     noise_std: s₀ = σC/D of the release (public).
     buffer: the momentum that produced the input (default DP-Muon's Nesterov
-      EMA, β = 0.95); :data:`dpmuon_jax.spectral.diagnostics.NO_MOMENTUM` if
+      EMA, β = 0.95); :data:`dpmuon_jax.transforms.buffer_noise.NO_MOMENTUM` if
       the input is the release itself.
     orthogonal: the spectral step (default ``scale_by_orthogonalization()``).
     fallback: the step for failing matrices (default identity).

@@ -41,14 +41,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
-from dpmuon_jax.privacy.query import LossFn, add_batch_axis, clip_and_sum
-from dpmuon_jax.spectral.scaling import (
+from dpmuon_jax.linalg.scaling import (
   DimensionNumbers,
   dimension_numbers_fn,
   matrix_view,
   path_names,
 )
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.query import LossFn, add_batch_axis, clip_and_sum
 from dpmuon_jax.transforms.routing import Routing, route_fn
 
 PyTree = Any
@@ -369,3 +369,36 @@ def summarise_protocol(rows: Sequence[ProtocolRow]) -> ProtocolResult:
       _paired(col("cosine_error_current"), col("cosine_error_im")),
       _paired(col("residual_current"), col("residual_im")),
   )
+
+
+_SUMMARY_FIELDS = ("polar_error", "cosine_error", "clipping_residual")
+
+
+class InnerMomentumProbe(NamedTuple):
+  """NON-PRIVATE: :func:`nonprivate_im_protocol` as the diagnostic probe of a GPT-2 run.
+
+  Pass it to :func:`dpmuon_jax.text.train.train_lm` (``probe=``) with
+  ``diagnostic_steps``: before the update at each of those steps, the run's own
+  θ_t and stored states are compared on the probe batch (paper 2, §5.3 and
+  figures 3–4), with the run's C, γ (``decay``, default 0.5) and K
+  (``history``, default 1).
+
+  Attributes:
+    routing: which leaves are Muon matrices (paper 2's GPT-2 split, ``"paper2"``).
+  """
+
+  routing: Routing = "paper2"
+
+  def rows(self, loss_fn: LossFn, params: PyTree, past_states: Sequence[PyTree], step: int,
+           config: Any, probe_batch: PyTree) -> list[ProtocolRow]:
+    """The protocol's rows at one checkpoint (``config``: the run's ``LMTrainConfig``)."""
+    settings = config.optimizer_kwargs
+    checkpoint = ProtocolCheckpoint(params, past_states, config.seed or 0, step)
+    return nonprivate_im_protocol(
+        loss_fn, [checkpoint], config.clip, settings.get("decay", 0.5),
+        settings.get("history", 1), probe_batch, routing=self.routing).rows
+
+  def summary(self, rows: Sequence[ProtocolRow]) -> dict:
+    """Paired reductions (:func:`summarise_protocol`) of polar/cosine error and residual."""
+    result = summarise_protocol(rows)
+    return {name: getattr(result, name)._asdict() for name in _SUMMARY_FIELDS}

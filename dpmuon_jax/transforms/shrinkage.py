@@ -5,7 +5,7 @@ work; this module offers it as an alternative spectral step. Model: the matrix
 actually transformed is Y = X + s·Z (m × n, Z i.i.d. N(0, 1)), with β = m/n ≤ 1
 after transposing so that m ≤ n. Under DP the per-entry noise s is KNOWN: s₀ =
 σC/D for the release G̃, times the momentum-buffer factor of
-:func:`dpmuon_jax.spectral.diagnostics.buffer_noise_factor` for a buffer. So
+:func:`dpmuon_jax.transforms.buffer_noise.buffer_noise_factor` for a buffer. So
 the known-noise rules apply, at no privacy cost (post-processing).
 
 * Optimal hard threshold (Gavish & Donoho 2014, arXiv 1305.5870)::
@@ -34,8 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpmuon_jax.spectral.diagnostics import NO_MOMENTUM, BufferSpec
-from dpmuon_jax.spectral.scaling import (
+from dpmuon_jax.linalg.scaling import (
     DP_MUON_MAX_ASPECT_RATIO,
     DimensionNumbers,
     aspect_factor,
@@ -43,6 +42,7 @@ from dpmuon_jax.spectral.scaling import (
     matrix_view,
     path_names,
 )
+from dpmuon_jax.transforms.buffer_noise import NO_MOMENTUM, BufferSpec
 
 PyTree = Any
 
@@ -224,7 +224,7 @@ def scale_by_singular_value_shrinkage(
       default none (the input is the release itself).
     method: ``"hard"`` (optimal hard threshold) or ``"frobenius"``.
     output: ``"orthogonal"`` (default) or ``"shrunk"``.
-    dimension_numbers: per-leaf matrix views (:mod:`dpmuon_jax.spectral.scaling`).
+    dimension_numbers: per-leaf matrix views (:mod:`dpmuon_jax.linalg.scaling`).
     max_aspect_ratio: r_max of the aspect factor (orthogonal output only).
   """
   if not (math.isfinite(noise_std) and noise_std >= 0):
