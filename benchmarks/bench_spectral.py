@@ -131,7 +131,7 @@ def bench_step(batch_size: int, microbatch: int, repeats: int) -> None:
     states[name] = opt.init(params)
     overflow = step.empty_overflow(params)
     steps[name] = lambda s=step, n=name, o=overflow: s.step(params, states[n], batch, mask, o)
-    total = step.clipped_sum(params, batch, mask)
+    total = step.clipped_sum(params, states[name], batch, mask)
     update = jax.jit(opt.update)
     updates[name] = lambda u=update, t=total, n=name: u(t, states[n], params)
   print(f"\n== Private step on the small CNN, B = {batch_size} (microbatch {microbatch}), "
