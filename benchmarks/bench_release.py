@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -130,7 +129,9 @@ def memory_child(batch_size: int, microbatch: int) -> None:
   resetting the kernel's high-water mark once the step is compiled and warm.
   """
   compiled, args = build("dp", batch_size, "patches", microbatch or None)
-  overall = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork + exec, so a child's
+  # ru_maxrss is at least its parent's peak; VmHWM belongs to the child's own memory map.
+  overall = _peak_rss_gib()
   step_peak = None
   if _reset_peak_rss():
     jax.block_until_ready(compiled(*args))
