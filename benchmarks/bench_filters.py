@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.models.common import classification_loss
-from dpmuon_jax.optimizers_filters import dp_disk_muon, dp_doppler_muon
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers.filters import dp_disk_muon, dp_doppler_muon
+from dpmuon_jax.optimizers.muon import dp_muon
 from dpmuon_jax.training.step import make_private_step
 
 CLIP, SIGMA, LR = 1.0, 1.0, 0.02

@@ -32,8 +32,9 @@ from flax import nnx
 
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.models.common import classification_loss
-from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers.muon import dp_muon
+from dpmuon_jax.optimizers.options import Fallback
+from dpmuon_jax.optimizers.paper2 import dp_muon_bc, dp_muon_im
 from dpmuon_jax.text.gpt2 import GPT2, GPT2_CPU, gpt2_model, lm_loss
 from dpmuon_jax.training.step import make_private_step
 
@@ -45,7 +46,7 @@ CONFIGS = {
     "DP-Muon-BC": lambda d, **kw: dp_muon_bc(0.02, 1.0, 1.0, d, key=0, **kw),
 }
 GPT2_MAX_LENGTH = 128  # tokens per example, as e2e_cpu_im
-GPT2_ROUTING = {"routing": "paper2", "fallback": "adamw", "fallback_learning_rate": 3e-3}
+GPT2_ROUTING = {"routing": "paper2", "fallback": Fallback(kind="adamw", learning_rate=3e-3)}
 
 
 def cnn_workload(batch_size: int):

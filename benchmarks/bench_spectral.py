@@ -29,7 +29,7 @@ from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, newton_schulz
 from dpmuon_jax.optimizers import dp_adam, dp_sgd
-from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s
+from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
 
 NS_SHAPES = [(256, 256), (576, 64), (1024, 1024), (4096, 1024)]
 C, SIGMA = 1.0, 1.0

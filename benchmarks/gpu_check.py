@@ -26,7 +26,7 @@ import numpy as np
 
 from dpmuon_jax.linalg.newton_schulz import newton_schulz, newton_schulz_polynomial
 from dpmuon_jax.optimizers import dp_sgd
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers.muon import dp_muon
 from dpmuon_jax.privacy.query import ClippedSum
 
 # Relative Frobenius error bounds against the float64 reference.

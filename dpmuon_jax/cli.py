@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add_train(sub) -> None:
   from dpmuon_jax.data.loaders import TFDS_NAMES
   from dpmuon_jax.models.registry import MODEL_NAMES
-  from dpmuon_jax.training.optimizer_registry import OPTIMIZERS
+  from dpmuon_jax.optimizers.registry import OPTIMIZERS
 
   train = sub.add_parser(
       "train",

@@ -7,8 +7,9 @@ Protocol (paper 1): ε = 4, δ = 1e-5, σ recalibrated for every batch size B
 at a fixed number of epochs, seeds 42–44, cosine learning rate with 5% warm-up,
 random crop + flip, the ``paper1`` routing preset, best test accuracy over
 epochs reported next to the final one. Every run's ε is in its row of the
-CSV. Learning rates are paper 1's published (tuned) values: a search across
-runs is NOT covered by the per-run guarantee.
+CSV. Learning rates are paper 1's published (tuned) values, the presets of
+each experiment's ``workload`` in :mod:`dpmuon_jax.optimizers.registry`: a
+search across runs is NOT covered by the per-run guarantee.
 
 Full-scale configs are for a GPU/TPU; CPU-scale configs say how they were
 scaled down (``scaling``) and finish on a 2-core CPU in under 20 minutes.
@@ -18,16 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-PAPER1_LR = {
-    "dp_sgd": 0.3,
-    "dp_adam": 1e-3,
-    "dp_muon": 0.02,
-    "dp_muon_s": 0.3,
-    "dp_disk_sgd": 0.01,
-    "dp_doppler_sgd": 3.0,
-    "dp_disk_muon": 0.02,
-    "dp_doppler_muon": 0.02,
-}
+from dpmuon_jax.optimizers import registry
+
 SEEDS = (42, 43, 44)
 MAIN_BATCH_SIZES = (256, 512, 1024, 2048, 4096)
 
@@ -46,7 +39,7 @@ class Experiment:
   seeds: tuple[int, ...] = SEEDS
   epsilon: float = 4.0
   delta: float = 1e-5
-  learning_rates: dict = dataclasses.field(default_factory=lambda: dict(PAPER1_LR))
+  workload: str = registry.CIFAR10  # whose learning rates (dpmuon_jax.optimizers.registry)
   augment: bool = True
   train_subset: int | None = None  # first n training examples (CPU scale)
   test_subset: int | None = None
@@ -61,6 +54,10 @@ class Experiment:
       for batch_size in self.batch_sizes:
         for seed in self.seeds:
           yield optimizer, batch_size, seed
+
+  def learning_rate(self, optimizer: str) -> float:
+    """Paper 1's learning rate of ``optimizer`` on this experiment's workload."""
+    return registry.preset(optimizer, self.workload).learning_rate
 
 
 def _full(name, table, dataset, model, optimizers, batch_sizes, epochs=50, **kw) -> Experiment:
@@ -92,15 +89,14 @@ _add(
     # CIFAR-100 crossover sweep (paper 1's tuned CIFAR-100 learning rates).
     _full("cifar100_crossover", "paper 1 CIFAR-100 crossover", "cifar100", "wrn16_4",
           ("dp_sgd", "dp_adam", "dp_muon", "dp_muon_s"), (256, 1024, 2048, 4096, 8192),
-          learning_rates={**PAPER1_LR, "dp_sgd": 1.0, "dp_adam": 0.01, "dp_muon": 0.1,
-                          "dp_muon_s": 0.5}),
+          workload=registry.CIFAR100),
     _full("svhn", "paper 1 SVHN runs", "svhn_cropped", "wrn16_4",
           ("dp_sgd", "dp_adam", "dp_muon", "dp_muon_s"), (256, 1024, 4096)),
     # ViT-Small fine-tuning on CIFAR-100: from `init_weights` when given; from
     # scratch otherwise (then it is NOT fine-tuning and is labelled so).
     _full("vit_small_cifar100", "paper 1 ViT-Small fine-tuning", "cifar100", "vit_small",
           ("dp_sgd", "dp_adam", "dp_muon"), (1024,), epochs=10, augment=False,
-          learning_rates={**PAPER1_LR, "dp_sgd": 0.01, "dp_adam": 3e-4, "dp_muon": 0.002}),
+          workload=registry.VIT_SMALL),
 )
 
 _add(
@@ -155,7 +151,7 @@ _add(
     Experiment(
         "cifar100_crossover_cpu", "paper 1 CIFAR-100 crossover, CPU scale", "cifar100", "cnn",
         ("dp_sgd", "dp_muon"), (64, 256), epochs=2, train_subset=5_000, test_subset=1_000,
-        learning_rates=EXPERIMENTS["cifar100_crossover"].learning_rates, **_CPU,
+        workload=registry.CIFAR100, **_CPU,
         scaling="small CNN (168k params with 100 classes) instead of WRN-16-4; "
         + _CIFAR_SUBSET.format(n=5_000, data="CIFAR-100", m=1_000, e=2, full=50)
         + "; DP-SGD and DP-Muon only (not DP-Adam, DP-Muon-S); batch sizes 64 and 256 "
@@ -173,7 +169,7 @@ _add(
     Experiment(
         "vit_small_cifar100_cpu", "paper 1 ViT-Small fine-tuning, CPU scale", "cifar100",
         "vit_small", ("dp_sgd", "dp_adam", "dp_muon"), (256,), epochs=2, train_subset=5_000,
-        test_subset=1_000, learning_rates=EXPERIMENTS["vit_small_cifar100"].learning_rates,
+        test_subset=1_000, workload=registry.VIT_SMALL,
         model_overrides={"dim": 64, "depth": 2, "num_heads": 4}, **_CPU,
         scaling="a tiny ViT (dim 64, 2 blocks, 4 heads, MLP 256, 4×4 patches; 0.11M params "
         "instead of ViT-Small's 21.3M) trained FROM SCRATCH, so NOT fine-tuning; "

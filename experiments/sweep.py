@@ -102,7 +102,7 @@ def train_config(exp: Experiment, optimizer: str, batch_size: int, seed: int, ou
       delta=exp.delta,
       batch_size=4 if tiny else batch_size,
       epochs=exp.epochs,
-      learning_rate=exp.learning_rates[optimizer],
+      learning_rate=exp.learning_rate(optimizer),
       seed=seed,
       output_dir=os.path.join(out, "runs", f"{optimizer}_B{batch_size}_s{seed}"),
       microbatch_size=None if tiny else exp.microbatch_size,
@@ -157,14 +157,14 @@ def run(exp: Experiment, out: str, data_dir: str | None = None, tiny: bool = Fal
 def check_buildable(exp: Experiment, out: str) -> None:
   """Every run's config and optimizer can be built (so configs cannot rot)."""
   from dpmuon_jax.models.registry import MODEL_NAMES
-  from dpmuon_jax.training import optimizer_registry
+  from dpmuon_jax.optimizers import registry
 
   if exp.model not in MODEL_NAMES:
     raise ValueError(f"{exp.name}: unknown model {exp.model!r}.")
   release = {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "denominator": 256.0, "key": 0}
   for optimizer, batch_size, seed in exp.runs():
     config = train_config(exp, optimizer, batch_size, seed, out, tiny=False)
-    optimizer_registry.build(optimizer, config.learning_rate, release)
+    registry.build(optimizer, config.learning_rate, release)
 
 
 def summarise(rows: list[dict]) -> list[dict]:

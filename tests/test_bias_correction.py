@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dpmuon_jax.linalg.newton_schulz import newton_schulz
-from dpmuon_jax.optimizers_im import dp_adam_bc, dp_muon_bc
+from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_muon_bc
 from dpmuon_jax.privacy.keys import stream_key
 from dpmuon_jax.privacy.query import ClippedSum
 from dpmuon_jax.privacy.release import dp_release
@@ -38,7 +38,7 @@ def test_buffer_noise_variance_is_exact_at_every_step(buffer, w, nesterov, t):
   assert float(buffer_noise_variance(0, 0.95, buffer, nesterov)) == 0.0
 
 
-def test_buffer_noise_variance_steady_state_matches_notes():
+def test_buffer_noise_variance_matches_its_steady_state_formula():
   # steady state: std 0.160 s₀ (EMA) and 0.174 s₀ (Nesterov look-ahead) at β = 0.95
   assert abs(float(buffer_noise_variance(10_000, 0.95, "ema")) ** 0.5 - 0.160) < 1e-3
   assert abs(float(buffer_noise_variance(10_000, 0.95, "ema", True)) ** 0.5 - 0.174) < 1e-3

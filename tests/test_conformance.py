@@ -1,13 +1,14 @@
-"""Shared conformance suite that every private optimizer of this library runs.
+"""Shared conformance suite that every registered private optimizer runs.
 
 The pattern of Optax's ``contrib/_common_test.py``: one list of optimizers,
-every test parameterised over it. A new optimizer joins by one line in
-``OPTIMIZERS``: ``(module, name, keyword arguments)``; it is built as
-``name(learning_rate, C, σ, D, key, **kwargs)`` and imported lazily, so a
-module that does not exist yet is skipped, not an error.
+every test parameterised over it. The list is the registry
+(:mod:`dpmuon_jax.optimizers.registry`) alone: every name with its default
+workload's preset options, and again on each workload whose options differ
+(e.g. paper 2's ``"paper2"`` routing with an AdamW group). A newly registered
+optimizer runs the suite without touching this file. The learning rate is
+this problem's, not the preset's.
 """
 
-import importlib
 import pickle
 
 import chex
@@ -17,37 +18,33 @@ import numpy as np
 import optax
 import pytest
 
-OPTIMIZERS = [
-    ("dpmuon_jax.optimizers", "dp_sgd", dict(learning_rate=0.05, momentum=0.9)),
-    ("dpmuon_jax.optimizers", "dp_adam", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_muon", "dp_muon", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_muon", "dp_muon_s", dict(learning_rate=0.1)),
-    ("dpmuon_jax.optimizers_muon", "dp_muon",
-     dict(learning_rate=0.05, routing="paper2", fallback_learning_rate=0.05, weight_decay=1e-3)),
-    ("dpmuon_jax.optimizers_filters", "dp_disk_sgd", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_filters", "dp_doppler_sgd", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_filters", "dp_disk_muon", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_filters", "dp_doppler_muon", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_im", "dp_muon_im", dict(learning_rate=0.05, history=2, decay=0.5)),
-    ("dpmuon_jax.optimizers_im", "dp_muon_bc", dict(learning_rate=0.05)),
-    ("dpmuon_jax.optimizers_im", "dp_adam_bc", dict(learning_rate=0.05)),
-]
-IDS = ["dp_sgd", "dp_adam", "dp_muon", "dp_muon_s", "dp_muon-paper2",
-       "dp_disk_sgd", "dp_doppler_sgd", "dp_disk_muon", "dp_doppler_muon",
-       "dp_muon_im", "dp_muon_bc", "dp_adam_bc"]
+from dpmuon_jax.optimizers import registry
+
+LEARNING_RATE = 0.05
+
+
+def _cases() -> list[tuple[str, str]]:
+  cases = []
+  for name in registry.names():
+    default = registry.preset(name).kwargs
+    cases += [(name, workload) for workload in registry.WORKLOADS
+              if workload in registry.OPTIMIZERS[name].presets
+              and (workload == registry.DEFAULT_WORKLOAD
+                   or registry.preset(name, workload).kwargs != default)]
+  return cases
+
+
+CASES = _cases()
+IDS = [f"{name}-{workload}" for name, workload in CASES]
 
 C, D, BATCH = 100.0, 32.0, 32
 
 
-def _make(entry, noise_multiplier, key):
-  module, name, kwargs = entry
-  try:
-    factory = getattr(importlib.import_module(module), name)
-  except (ImportError, AttributeError) as e:
-    pytest.skip(f"{module}.{name} is not available: {e}")
-  kwargs = dict(kwargs)
-  lr = kwargs.pop("learning_rate")
-  return factory(lr, C, noise_multiplier, D, key, **kwargs)
+def _make(case, noise_multiplier, key):
+  name, workload = case
+  release = {"l2_clip_norm": C, "noise_multiplier": noise_multiplier, "denominator": D,
+             "key": key}
+  return registry.build(name, LEARNING_RATE, release, workload)
 
 
 def _problem():
@@ -93,12 +90,12 @@ def _shapes_and_dtypes(tree):
   return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
 
 
-@pytest.mark.parametrize("entry", OPTIMIZERS, ids=IDS)
-def test_jit_once_dtypes_and_bitwise_checkpoint_restore(entry):
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_jit_once_dtypes_and_bitwise_checkpoint_restore(case):
   """Traces once; state keeps shapes/dtypes; params keep dtypes; a checkpoint
   (pickle of ``jax.device_get``) restored and continued equals the
   uninterrupted run bit-for-bit, without retracing the step."""
-  opt = _make(entry, 1.0, key=1234)
+  opt = _make(case, 1.0, key=1234)
   params, batch = _problem()
   state = opt.init(params)
   initial_state, initial_params = _shapes_and_dtypes(state), _shapes_and_dtypes(params)
@@ -120,10 +117,10 @@ def test_jit_once_dtypes_and_bitwise_checkpoint_restore(entry):
   chex.assert_trees_all_equal(restored, current)
 
 
-@pytest.mark.parametrize("entry", OPTIMIZERS, ids=IDS)
-def test_noise_off_halves_least_squares_loss_within_100_steps(entry):
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_noise_off_halves_least_squares_loss_within_100_steps(case):
   with pytest.warns(UserWarning, match="no noise"):
-    opt = _make(entry, 0.0, key=0)
+    opt = _make(case, 0.0, key=0)
   params, batch = _problem()
   state, step = opt.init(params), _step_fn(opt)
   initial = float(_loss(params, batch))

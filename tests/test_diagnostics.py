@@ -10,7 +10,7 @@ from stats import chi2_quantile
 
 from dpmuon_jax.analysis import diagnostics as dg
 from dpmuon_jax.analysis import polar_metrics as pm
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers.muon import dp_muon
 from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms import buffer_noise as bn
 from dpmuon_jax.transforms.momentum import muon_momentum
@@ -54,7 +54,7 @@ def test_buffer_noise_factor_is_exact_per_step(beta, buffer, nesterov):
   assert float(spec.factor(400)) == pytest.approx(spec.steady_state_factor(), rel=1e-9)
 
 
-def test_steady_state_factors_match_the_notes():
+def test_steady_state_factors_match_their_closed_form():
   assert bn.BufferSpec(0.95, "ema", False).steady_state_factor() == pytest.approx(0.160, abs=5e-4)
   assert bn.DP_MUON_BUFFER.steady_state_factor() == pytest.approx(0.174, abs=5e-4)
   assert bn.BufferSpec(0.9, "heavy_ball", False).steady_state_factor() == pytest.approx(

@@ -14,7 +14,7 @@ def test_cpu_scale_configs_say_how_they_were_scaled_down():
   for exp in EXPERIMENTS.values():
     assert exp.scale in ("full", "cpu")
     assert bool(exp.scaling) == (exp.scale == "cpu"), exp.name
-    assert set(exp.optimizers) <= set(exp.learning_rates), exp.name
+    assert all(exp.learning_rate(name) > 0 for name in exp.optimizers), exp.name
     assert len(exp.seeds) >= 3
 
 

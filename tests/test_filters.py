@@ -9,8 +9,8 @@ import optax
 import pytest
 from stats import std_interval
 
-from dpmuon_jax.optimizers import dp_sgd
-from dpmuon_jax.optimizers_filters import (
+from dpmuon_jax.optimizers.classic import dp_sgd
+from dpmuon_jax.optimizers.filters import (
     disk_query_spec,
     dp_disk_muon,
     dp_disk_sgd,

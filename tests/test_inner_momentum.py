@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from stats import std_interval
 
-from dpmuon_jax.optimizers_im import dp_muon_im, inner_momentum_query
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers.muon import dp_muon
+from dpmuon_jax.optimizers.options import Fallback
+from dpmuon_jax.optimizers.paper2 import dp_muon_im, inner_momentum_query
 from dpmuon_jax.privacy.clipping import flat_clipping, flat_norm
 from dpmuon_jax.privacy.inner_momentum import (
     PAPER2_PRESETS,
@@ -129,7 +130,7 @@ def test_k_ge_1_each_example_clipped_to_c_and_release_noise_std_is_sigma_c_over_
   c, sigma, d = 1.0, 2.0, 50.0
   params, batch, loss = _regression()
   opt = dp_muon_im(1.0, c, sigma, d, key=5, history=2, decay=0.5,
-                   routing=lambda path, leaf: False, fallback_momentum=0.0)
+                   routing=lambda path, leaf: False, fallback=Fallback(momentum=0.0))
   step = make_private_step(opt, loss)
   state = opt.init(params)
   mask = jnp.ones(64, bool)
@@ -184,7 +185,8 @@ def test_presets_and_validation():
   assert tuple(PAPER2_PRESETS["dart"]) == (3, 0.7, 3, 0.5)
   assert tuple(PAPER2_PRESETS["e2e_eps8"]) == (4, 0.5, 2, 0.5)
   opt = dp_muon_im(0.002, 1.0, 1.0, 1025.0, key=0, routing="paper2",
-                   fallback_learning_rate=0.0035, **PAPER2_PRESETS["e2e"]._asdict())
+                   fallback=Fallback(kind="adamw", learning_rate=0.0035),
+                   **PAPER2_PRESETS["e2e"]._asdict())
   state = opt.init({"h": {"kernel": jnp.zeros((4, 4))}, "head": {"kernel": jnp.zeros((4, 2))}})
   assert jax.tree.leaves(find_history(state).states)[0].shape[0] == 4  # max(K, K′) slots
   with pytest.raises(ValueError, match="history"):

@@ -12,7 +12,7 @@ from optax.contrib import MuonDimensionNumbers
 from dpmuon_jax.linalg.newton_schulz import newton_schulz as _newton_schulz
 from dpmuon_jax.linalg.power_iteration import exact_top_singular, power_iteration
 from dpmuon_jax.linalg.scaling import aspect_factor, matrix_view
-from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s
+from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
 from dpmuon_jax.privacy.release import dp_release
 from dpmuon_jax.transforms.momentum import muon_momentum
 from dpmuon_jax.transforms.muon import (

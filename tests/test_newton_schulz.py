@@ -66,7 +66,7 @@ def test_ns_equals_polynomial_float32(steps):
     [(DEFAULT_NS_COEFFS, 1.0, 0.4705, 1.2024), (POLAR_EXPRESS, 1.02, 0.8466, 1.1411)],
     ids=["keller", "polar"],
 )
-def test_scalar_ranges_match_research_notes(coeffs, scale, lo, hi):
+def test_scalar_ranges_of_the_quintic_iteration(coeffs, scale, lo, hi):
   # Range of p^{∘5} over normalised singular values in [1e-3, 1].
   out = newton_schulz_polynomial(np.geomspace(1e-3, 1.0, 20001) / scale, 5, coeffs)
   assert out.min() == pytest.approx(lo, abs=2e-4) and out.max() == pytest.approx(hi, abs=2e-4)

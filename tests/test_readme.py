@@ -36,3 +36,20 @@ def test_readme_examples_run():
   exec(small, ns)
   assert ns["setup"].ledger.count == 2
   assert 0 < ns["setup"].ledger.epsilon() <= 4.0
+
+
+def test_the_names_the_readme_teaches_import_from_the_package():
+  import dpmuon_jax
+
+  text = README.read_text()
+  taught = set(re.findall(r"\bdm\.([A-Za-z_][A-Za-z0-9_]*)", text))
+  # The optimizer table and the list of post-processing pieces name them in backticks.
+  prefixes = ("dp_", "scale_by_", "kalman", "low_pass", "partition", "newton",
+              "muon_momentum", "selective")
+  taught |= {n for n in re.findall(r"`([a-z_]+|[A-Z0-9_]+_PRESETS)`", text)
+             if n != "dp_" and n.startswith(prefixes) or n.endswith("_PRESETS")}
+  assert taught, "the README teaches no names?"
+  missing = sorted(n for n in taught if n not in dpmuon_jax.__all__)
+  assert missing == []
+  assert all(hasattr(dpmuon_jax, n) for n in dpmuon_jax.__all__)
+  assert len(dpmuon_jax.__all__) < 80  # curated: tens of names, the rest in subpackages

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers.muon import dp_muon
+from dpmuon_jax.optimizers.options import Fallback
 from dpmuon_jax.privacy.release import dp_release
 from dpmuon_jax.transforms.routing import FALLBACK, MUON, muon_labels, partition_muon
 
@@ -108,7 +109,8 @@ def test_dp_muon_applies_muon_and_sgd_momentum_where_labelled(preset):
 
 
 def test_paper2_uses_adamw_with_its_own_settings():
-  opt = dp_muon(0.02, 1.0, 1.0, 4.0, key=3, routing="paper2", fallback_learning_rate=1e-3)
+  opt = dp_muon(0.02, 1.0, 1.0, 4.0, key=3, routing="paper2",
+                fallback=Fallback(learning_rate=1e-3))
   state = opt.init(SMALL)
   is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
   fallback_state = state[1].inner_states[FALLBACK]

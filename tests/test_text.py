@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from dpmuon_jax.models.common import pure_model
+from dpmuon_jax.optimizers import registry
 from dpmuon_jax.text import data as text_data
 from dpmuon_jax.text import generate, hf_weights, metrics
 from dpmuon_jax.text.gpt2 import GPT2, GPT2_SMALL, GPT2Config, gpt2_model, lm_loss, token_nll
@@ -153,16 +154,18 @@ def test_hf_layout_round_trip_and_clear_error_when_absent(tmp_path):
 # ---------------------------------------------------------------- private step
 
 
-@pytest.mark.parametrize("name", ["dp_muon", "dp_muon_im", "dp_muon_bc", "dp_disk_muon"])
+@pytest.mark.parametrize("name", registry.names(registry.GPT2))
 def test_private_step_on_tiny_gpt2_clips_each_example_query(name):
-  from dpmuon_jax.text.train import LM_OPTIMIZERS
+  from dpmuon_jax.optimizers.options import Fallback
   from dpmuon_jax.training.step import make_private_step
 
   c = 0.5
   extra = {"history": 2, "decay": 0.5, "fallback_history": 1, "fallback_decay": 0.5}
-  opt = LM_OPTIMIZERS[name](0.02, c, 1.0, 8.0, jax.random.key(3), routing="paper2",
-                            fallback="adamw", fallback_learning_rate=1e-3,
-                            **(extra if name == "dp_muon_im" else {}))
+  release = {"l2_clip_norm": c, "noise_multiplier": 1.0, "denominator": 8.0,
+             "key": jax.random.key(3)}
+  opt = registry.build(name, 0.02, release, registry.GPT2,
+                       fallback=Fallback(kind="adamw", learning_rate=1e-3),
+                       **(extra if name == "dp_muon_im" else {}))
   config = TINY._replace(num_layers=1, dim=16, num_heads=2)
   apply, params = _model(config, scale=3.0)
   step = make_private_step(opt, lm_loss(apply))

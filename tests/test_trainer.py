@@ -7,8 +7,8 @@ import chex
 import numpy as np
 import pytest
 
+from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.accounting import compute_epsilon
-from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import TrainingCheckpoint, latest_step, restore_checkpoint
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 
@@ -24,7 +24,6 @@ def _config(tmp_path, name, **kw):
 def _final(directory, data, config):
   from dpmuon_jax.models.registry import model_and_loss
   from dpmuon_jax.privacy.setup import make_private
-  from dpmuon_jax.training import optimizer_registry
 
   model, _ = model_and_loss(config.model, data.num_classes, data.image_shape,
                             seed=config.model_seed)

@@ -9,18 +9,19 @@ import optax
 import pytest
 
 from dpmuon_jax import checks
-from dpmuon_jax.optimizers import dp_adam, dp_adamw, dp_sgd
-from dpmuon_jax.optimizers_filters import (
+from dpmuon_jax.optimizers import registry as optimizer_registry
+from dpmuon_jax.optimizers.classic import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.optimizers.filters import (
     dp_disk_muon,
     dp_disk_sgd,
     dp_doppler_muon,
     dp_doppler_sgd,
 )
-from dpmuon_jax.optimizers_im import dp_adam_bc, dp_muon_bc, dp_muon_im
-from dpmuon_jax.optimizers_muon import dp_muon, dp_muon_s, fallback_optimizer
+from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s, fallback_optimizer
+from dpmuon_jax.optimizers.options import Fallback, NewtonSchulz
+from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_muon_bc, dp_muon_im
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS
 from dpmuon_jax.text.train import LMTrainConfig, validate_config
-from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 from dpmuon_jax.transforms.filters import DOPPLER_PRESETS
 from dpmuon_jax.transforms.muon import scale_by_orthogonalization
@@ -72,20 +73,13 @@ def test_every_optimizer_refuses_a_bad_schedule_and_accepts_good_ones(name):
         (dp_adam, dict(eps=-1e-8), "eps"),
         (dp_adamw, dict(weight_decay=-1e-4), "weight_decay"),
         (dp_muon, dict(beta=1.5), "beta"),
-        (dp_muon, dict(ns_steps=0), "ns_steps"),
-        (dp_muon, dict(ns_steps=2.5), "ns_steps"),
-        (dp_muon, dict(eps=0.0), "eps"),
-        (dp_muon, dict(ns_coeffs=(math.nan, 1.0, 1.0)), "ns_coeffs"),
         (dp_muon, dict(weight_decay=-0.1), "weight_decay"),
-        (dp_muon, dict(fallback_learning_rate=math.nan), "fallback_learning_rate"),
-        (dp_muon, dict(fallback_momentum=1.0), "fallback_momentum"),
-        (dp_muon, dict(fallback_weight_decay=math.inf), "fallback_weight_decay"),
+        (dp_muon, dict(routing="paper2"), "fallback_learning_rate"),  # AdamW needs its own
         (dp_muon_s, dict(power_iterations=0), "power_iterations"),
         (dp_muon_s, dict(beta=-0.5), "beta"),
         (dp_disk_sgd, dict(kappa=0.0), "kappa"),
         (dp_disk_sgd, dict(kappa=3.0), "kappa"),  # |1 − κ| > 1: the filter diverges
         (dp_disk_sgd, dict(gamma=math.nan), "gamma"),
-        (dp_disk_muon, dict(ns_steps=-1), "ns_steps"),
         (dp_doppler_sgd, dict(a=(1.0, -1.5), b=(0.1,)), "poles"),
         (dp_doppler_sgd, dict(a=(1.0, math.inf)), "finite"),
         (dp_doppler_muon, dict(weight_decay=-1.0), "weight_decay"),
@@ -106,10 +100,30 @@ def test_bad_options_are_refused_with_their_names(make, kwargs, match):
 
 
 @pytest.mark.parametrize(
+    "group, kwargs, match",
+    [
+        (NewtonSchulz, dict(steps=0), "ns_steps"),
+        (NewtonSchulz, dict(steps=2.5), "ns_steps"),
+        (NewtonSchulz, dict(steps=-1), "ns_steps"),
+        (NewtonSchulz, dict(eps=0.0), "eps"),
+        (NewtonSchulz, dict(coeffs=(math.nan, 1.0, 1.0)), "ns_coeffs"),
+        (Fallback, dict(kind="adam"), "fallback"),
+        (Fallback, dict(learning_rate=math.nan), "fallback_learning_rate"),
+        (Fallback, dict(momentum=1.0), "fallback_momentum"),
+        (Fallback, dict(weight_decay=math.inf), "fallback_weight_decay"),
+        (Fallback, dict(b2=1.0), "fallback_b2"),
+    ],
+)
+def test_bad_option_groups_are_refused_with_their_names(group, kwargs, match):
+  _refused(match, group, **kwargs)
+
+
+@pytest.mark.parametrize(
     "make, kwargs",
     [
         (dp_sgd, dict(momentum=0.0)),
-        (dp_muon, dict(beta=0.0, fallback_momentum=0.0, weight_decay=0.0)),
+        (dp_muon, dict(beta=0.0, fallback=Fallback(momentum=0.0), weight_decay=0.0)),
+        (dp_disk_muon, dict(ns=NewtonSchulz(steps=1, coeffs=(1.5, -0.5, 0.0)))),
         (dp_disk_sgd, dict(kappa=1.5, gamma=-1.0)),  # paper 1's preset: γ = −1 stays valid
         (dp_disk_sgd, dict(kappa=2.0, gamma=0.0)),
         (dp_disk_muon, DISK_PRESETS["paper2"]._asdict()),

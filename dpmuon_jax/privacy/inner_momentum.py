@@ -31,7 +31,7 @@ The states live in the optimizer's post-processing state: the
 the private optimizer's chain, stores the parameters it sees at update time
 (θ_t) in a ring buffer of K slots. This module holds the query's math on
 explicit inputs (θ_t, that ring buffer, the weights, which leaves form the
-Muon group); DP-Muon-IM's ``QuerySpec`` (``dpmuon_jax.optimizers_im``) reads
+Muon group); DP-Muon-IM's ``QuerySpec`` (``dpmuon_jax.optimizers.paper2``) reads
 the inputs out of the optimizer state and the routing.
 
 Cost: (K_max + 1) gradient evaluations per example at every step (static

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,9 @@ from dpmuon_jax.privacy.query import GRADIENT_QUERY, ClippedSum, QuerySpec, clip
 
 PyTree = Any
 
-ADD_REMOVE = "add_remove"
-REPLACE_ONE = "replace_one"
+Neighbouring = Literal["add_remove", "replace_one"]
+"""The adjacency a guarantee is stated for: add/remove one example, or replace one."""
+ADD_REMOVE, REPLACE_ONE = get_args(Neighbouring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class GaussianReleaseSpec:
   noise_multiplier: float
   denominator: float
   seeded: bool
-  neighbouring: str = ADD_REMOVE
+  neighbouring: Neighbouring = ADD_REMOVE
   clipping: Clipping | None = None
 
   def __post_init__(self):
@@ -251,7 +252,7 @@ def dp_release(
     denominator: float,
     key: KeyLike = None,
     clipping: Clipping | None = None,
-    neighbouring: str = ADD_REMOVE,
+    neighbouring: Neighbouring = ADD_REMOVE,
     secure_noise: bool = False,
 ) -> PrivateTransformation:
   """The private release G̃ = (Σ_i clip_C(q_i) + N(0, σ²C² I)) / D.

@@ -46,9 +46,8 @@ from flax import nnx
 
 from dpmuon_jax import checks
 from dpmuon_jax.distributed.mesh import sharded_capacity
-from dpmuon_jax.optimizers_filters import dp_disk_muon
-from dpmuon_jax.optimizers_im import dp_muon_bc, dp_muon_im
-from dpmuon_jax.optimizers_muon import dp_muon
+from dpmuon_jax.optimizers import registry
+from dpmuon_jax.optimizers.options import Fallback
 from dpmuon_jax.privacy.accounting import RDP
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
@@ -74,14 +73,6 @@ from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms.history import ordered_history
 
 PyTree = Any
-
-LM_OPTIMIZERS = {
-    "dp_muon": dp_muon,
-    "dp_muon_im": dp_muon_im,
-    "dp_muon_bc": dp_muon_bc,
-    "dp_disk_muon": dp_disk_muon,
-}
-"""Optimizers of paper 2's tables; each gets ``routing="paper2"`` and an AdamW fallback."""
 
 MODEL_PRESETS = {"gpt2": GPT2_SMALL, "gpt2_tiny": GPT2_TINY, "gpt2_cpu": GPT2_CPU}
 
@@ -116,7 +107,9 @@ class LMTrainConfig:
     model: a :data:`MODEL_PRESETS` name; ``model_overrides``: GPT2Config fields.
     vocab_size: truncated BPE vocabulary for from-scratch models
       (:class:`~dpmuon_jax.text.tokenizer.GPT2Tokenizer`); ``None``: GPT-2's.
-    optimizer: a :data:`LM_OPTIMIZERS` name; ``optimizer_kwargs`` go to its
+    optimizer: a name with a ``"gpt2"`` preset in
+      :mod:`dpmuon_jax.optimizers.registry` (paper 2's tables: the
+      ``paper2`` routing and an AdamW group); ``optimizer_kwargs`` go to its
       factory (e.g. inner momentum's ``history``/``decay``/``fallback_*``).
     learning_rate, fallback_learning_rate: Muon group / AdamW group (paper 2:
       0.002 / 0.0035), constant.
@@ -196,10 +189,7 @@ def validate_config(config: LMTrainConfig) -> None:
       checks.check_positive_int(name, getattr(config, name))
   for step in config.diagnostic_steps:
     checks.check_nonnegative_int("diagnostic_steps", step)
-  if config.optimizer not in LM_OPTIMIZERS:
-    raise ValueError(
-        f"Unknown optimizer {config.optimizer!r}; choose from {', '.join(LM_OPTIMIZERS)}."
-    )
+  registry.preset(config.optimizer, registry.GPT2)  # refuses optimizers without one
   if config.diagnostic_steps and config.optimizer != "dp_muon_im":
     raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
                      "they need optimizer='dp_muon_im'.")
@@ -209,14 +199,11 @@ def validate_config(config: LMTrainConfig) -> None:
 
 
 def lm_optimizer(config: LMTrainConfig, release_kwargs: dict[str, Any]) -> PrivateTransformation:
-  """The configured optimizer with the ``paper2`` routing and its AdamW group."""
-  if config.optimizer not in LM_OPTIMIZERS:
-    raise ValueError(
-        f"Unknown optimizer {config.optimizer!r}; choose from {', '.join(LM_OPTIMIZERS)}."
-    )
-  kwargs = {"routing": "paper2", "fallback": "adamw",
-            "fallback_learning_rate": config.fallback_learning_rate, **config.optimizer_kwargs}
-  return LM_OPTIMIZERS[config.optimizer](config.learning_rate, **release_kwargs, **kwargs)
+  """The configured optimizer from its ``"gpt2"`` preset: the ``paper2`` routing, an AdamW group."""
+  fallback = Fallback(kind="adamw", learning_rate=config.fallback_learning_rate)
+  kwargs = {"fallback": fallback, **config.optimizer_kwargs}
+  return registry.build(config.optimizer, config.learning_rate, release_kwargs, registry.GPT2,
+                        **kwargs)
 
 
 def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT2Config, bool]:

@@ -41,11 +41,11 @@ from dpmuon_jax.distributed.mesh import (
     sharded_capacity,
 )
 from dpmuon_jax.models.registry import model_and_loss
+from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
 from dpmuon_jax.privacy.release import PrivateTransformation, with_noise_counter
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
-from dpmuon_jax.training import optimizer_registry
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
     latest_good_step,
@@ -167,7 +167,7 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
 
 def _learning_rate_schedule(config: TrainConfig, total_steps: int) -> optax.Schedule:
   """Cosine decay with linear warm-up over ``warmup_fraction`` of the run (paper 1)."""
-  peak = config.learning_rate or optimizer_registry.OPTIMIZERS[config.optimizer].learning_rate
+  peak = config.learning_rate or optimizer_registry.preset(config.optimizer).learning_rate
   warmup = int(config.warmup_fraction * total_steps)
   return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1))
 

@@ -16,7 +16,7 @@ for DP-Muon-S, which multiplies by σ₁ of the buffer.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,9 @@ from dpmuon_jax import checks
 
 PyTree = Any
 
-EMA = "ema"
-HEAVY_BALL = "heavy_ball"
+Buffer = Literal["ema", "heavy_ball"]
+"""The momentum buffer: M = βM + (1−β)G̃ (EMA) or M = βM + G̃ (heavy-ball)."""
+EMA, HEAVY_BALL = get_args(Buffer)
 
 
 class MuonMomentumState(NamedTuple):
@@ -39,7 +40,7 @@ class MuonMomentumState(NamedTuple):
 def muon_momentum(
     beta: float = 0.95,
     nesterov: bool = True,
-    buffer: str = EMA,
+    buffer: Buffer = EMA,
     mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Momentum M_t (or its Nesterov look-ahead M̂_t) of the updates, no bias correction.

@@ -48,7 +48,7 @@ from dpmuon_jax.linalg.scaling import (
     matrix_view,
     path_names,
 )
-from dpmuon_jax.transforms.momentum import EMA, muon_momentum
+from dpmuon_jax.transforms.momentum import EMA, Buffer, muon_momentum
 
 PyTree = Any
 
@@ -178,6 +178,7 @@ def scale_by_spectral_orthogonalization(
 
 def scale_by_muon(
     beta: float = 0.95,
+    *,
     nesterov: bool = True,
     ns_steps: int = 5,
     ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
@@ -192,6 +193,8 @@ def scale_by_muon(
   Defaults are paper 1's (β = 0.95, Nesterov, K = 5, Keller Jordan's
   coefficients, ε = 1e-7). Learning rate and weight decay are not included:
   chain ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate``.
+  The options after ``beta`` are keyword-only: ``optax.contrib.scale_by_muon``
+  orders its positional arguments differently (``ns_coeffs`` first).
   """
   return optax.chain(
       muon_momentum(beta, nesterov, EMA, mu_dtype),
@@ -204,7 +207,8 @@ def scale_by_muon(
 
 def scale_by_muon_s(
     beta: float = 0.9,
-    buffer: str = EMA,
+    *,
+    buffer: Buffer = EMA,
     power_iterations: int = 3,
     exact_svd: bool = False,
     ns_steps: int = 5,

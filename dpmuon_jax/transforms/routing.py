@@ -23,7 +23,7 @@ invariant 7, docs/design.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +33,12 @@ from dpmuon_jax.linalg.scaling import Path, path_names
 
 PyTree = Any
 RouteFn = Callable[[Path, jax.Array], bool]
-Routing = str | RouteFn
+RoutingPreset = Literal["paper1", "muon", "paper2"]
+Routing = RoutingPreset | RouteFn
 
 MUON = "muon"
 FALLBACK = "fallback"
-PRESETS = ("paper1", "muon", "paper2")
+PRESETS: tuple[str, ...] = get_args(RoutingPreset)
 
 
 def is_embedding(path: Path) -> bool:

@@ -1,0 +1,155 @@
+"""Option groups shared by the Muon-family optimizers, and the names of their modes.
+
+Each group is a small frozen dataclass that checks its values when it is
+built (a one-line ``ValueError`` from :mod:`dpmuon_jax.checks`), so a
+meaningless option is refused before any optimizer exists:
+
+* :class:`NewtonSchulz`: the orthogonalisation NS_K of paper 1 ("Spectral
+  Gradient Orthogonalization Improves Differentially Private Training at
+  Scale", §Method), K quintic steps X ← aX + b(XXᵀ)X + c(XXᵀ)²X from
+  X₀ = M / (s‖M‖_F + ε);
+* :class:`Fallback`: the post-processing of the leaves the routing keeps off
+  Muon, θ ← θ − η′(u_t + λ′θ) with u_t DP-SGD's heavy-ball momentum (paper 1)
+  or AdamW (paper 2, the inner-momentum DP-Muon paper, appendix C).
+
+Mode names are ``Literal`` types, each defined once: those of the transforms
+and of the release where they are used (re-exported here), those of the
+optimizers below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpmuon_jax import checks
+from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
+from dpmuon_jax.linalg.scaling import DimensionNumbers
+from dpmuon_jax.privacy.release import ADD_REMOVE, REPLACE_ONE, Neighbouring
+from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL, Buffer
+from dpmuon_jax.transforms.muon import check_newton_schulz
+from dpmuon_jax.transforms.routing import PRESETS, Routing, RoutingPreset
+
+__all__ = [
+    "ADAMW", "ADD_REMOVE", "EMA", "FEED", "HEAVY_BALL", "PRESETS", "QUERY_KINDS", "REPLACE",
+    "REPLACE_ONE", "SGD", "Buffer", "Composition", "Fallback", "FallbackKind", "Neighbouring",
+    "NewtonSchulz", "QueryKind", "Routing", "RoutingPreset",
+]
+
+FallbackKind = Literal["sgd", "adamw"]
+"""The fallback group's optimizer: DP-SGD's heavy-ball momentum step or AdamW."""
+SGD, ADAMW = get_args(FallbackKind)
+
+Composition = Literal["replace", "feed"]
+"""How a temporal filter composes with Muon (:mod:`dpmuon_jax.optimizers.filters`)."""
+REPLACE, FEED = get_args(Composition)
+
+QueryKind = Literal["gradient", "disk", "inner_momentum"]
+"""The per-example query a private optimizer's release privatises: the gradient,
+DiSK's two-point query, or inner momentum's average over past states."""
+QUERY_KINDS: tuple[str, ...] = get_args(QueryKind)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewtonSchulz:
+  """NS_K(M): K steps X ← aX + b(XXᵀ)X + c(XXᵀ)²X from X₀ = M / (s‖M‖_F + ε).
+
+  Paper 1 (§Method) uses K = 5 with Keller Jordan's (3.4445, −4.7750, 2.0315).
+
+  Attributes:
+    steps: K, an int >= 1.
+    coeffs: (a, b, c), one triple per step, or a schedule (see
+      :func:`dpmuon_jax.newton_schulz`); ``None``: the optimizer's default,
+      Keller Jordan's coefficients (:data:`~dpmuon_jax.linalg.newton_schulz.DEFAULT_NS_COEFFS`),
+      except DP-Muon-BC's convergent quintic
+      (:data:`~dpmuon_jax.transforms.bias_correction.KIM_FAN_NS_COEFFS`).
+    eps: ε > 0, keeps X₀ finite for M = 0.
+    dtype: the dtype the iteration runs in; ``None``: the buffer's.
+    precision: matmul precision of the iteration.
+    dimension_numbers: per-leaf matrix views (:mod:`dpmuon_jax.linalg.scaling`);
+      ``None``: (in…, out) layouts.
+  """
+
+  steps: int = 5
+  coeffs: CoeffsLike | None = None
+  eps: float = 1e-7
+  dtype: jnp.dtype | None = None
+  precision: jax.lax.PrecisionLike = None
+  dimension_numbers: DimensionNumbers = None
+
+  def __post_init__(self):
+    coeffs = DEFAULT_NS_COEFFS if self.coeffs is None else self.coeffs
+    check_newton_schulz(self.steps, coeffs, self.eps)
+
+  def transform_kwargs(self, default_coeffs: CoeffsLike = DEFAULT_NS_COEFFS) -> dict[str, Any]:
+    """These settings as the keyword arguments of the ``scale_by_*`` transforms."""
+    return dict(
+        ns_steps=self.steps,
+        ns_coeffs=default_coeffs if self.coeffs is None else self.coeffs,
+        eps=self.eps,
+        dimension_numbers=self.dimension_numbers,
+        ns_dtype=self.dtype,
+        precision=self.precision,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+  """The group routing keeps off Muon: θ ← θ − η′_t (u_t + λ′θ).
+
+  ``"sgd"``: u = β′u + G̃ (heavy-ball ``optax.trace``, as paper 1's DP-SGD),
+  Nesterov optional. ``"adamw"``: AdamW with b1 = β′ (paper 2's fallback).
+
+  Attributes:
+    kind: ``"sgd"``, ``"adamw"`` or ``None``: AdamW under the ``"paper2"``
+      routing, SGD otherwise.
+    learning_rate: η′, float or optax schedule; ``None``: the Muon group's η
+      (SGD only: an AdamW group needs its own, paper 2: 0.0035).
+    momentum: β′ in [0, 1); ``None``: the optimizer's default, 0.9, or 0 where
+      a filter's output replaces all momentum
+      (:mod:`dpmuon_jax.optimizers.filters`, ``composition="replace"``).
+    nesterov: Nesterov's look-ahead for ``"sgd"``.
+    weight_decay: λ′ >= 0, decoupled and multiplied by η′.
+    b2, eps: AdamW's second-moment decay in [0, 1) and its ε >= 0.
+  """
+
+  kind: FallbackKind | None = None
+  learning_rate: optax.ScalarOrSchedule | None = None
+  momentum: float | None = None
+  nesterov: bool = False
+  weight_decay: float = 0.0
+  b2: float = 0.999
+  eps: float = 1e-8
+
+  def __post_init__(self):
+    if self.kind is not None and self.kind not in get_args(FallbackKind):
+      raise ValueError(f"fallback must be {SGD!r} or {ADAMW!r}, got {self.kind!r}.")
+    if self.learning_rate is not None:
+      checks.check_learning_rate("fallback_learning_rate", self.learning_rate)
+    if self.momentum is not None:
+      checks.check_in_range("fallback_momentum", self.momentum, 0.0, 1.0, high_inclusive=False)
+    checks.check_nonnegative("fallback_weight_decay", self.weight_decay)
+    checks.check_in_range("fallback_b2", self.b2, 0.0, 1.0, high_inclusive=False)
+    checks.check_nonnegative("fallback_eps", self.eps)
+
+  def resolve(
+      self, routing: Routing, learning_rate: optax.ScalarOrSchedule, momentum: float = 0.9
+  ) -> Fallback:
+    """Kind, learning rate and momentum filled in for the Muon group's ``routing`` and η."""
+    kind = self.kind or (ADAMW if routing == "paper2" else SGD)
+    if self.learning_rate is None and kind == ADAMW:
+      raise ValueError(
+          "An AdamW fallback group needs its own fallback_learning_rate: "
+          "fallback=Fallback(kind='adamw', learning_rate=...)."
+      )
+    return dataclasses.replace(
+        self,
+        kind=kind,
+        learning_rate=learning_rate if self.learning_rate is None else self.learning_rate,
+        momentum=momentum if self.momentum is None else self.momentum,
+    )
+

@@ -1,0 +1,194 @@
+"""The private optimizers known by name, with their presets per workload: the only such table.
+
+Each :class:`Entry` says how to build the optimizer (its ``dp_*`` factory),
+what it is in one line, which per-example query its release privatises, and
+the learning rate (and options) it starts from on each workload it was run
+on. The trainer, the CLI, the GPT-2 training and the experiment configs all
+read this table; a new optimizer is one :func:`register` call (or one line
+below) and then runs everywhere, the conformance suite included.
+
+Workloads (:data:`WORKLOADS`):
+
+* paper 1 ("Spectral Gradient Orthogonalization Improves Differentially
+  Private Training at Scale"), its reported hyperparameters: CIFAR-10 on
+  WRN-16-4 at ε = 4 (the default, also the other CIFAR-10/SVHN architectures
+  of its tables), its tuned CIFAR-100 rates, and ViT-Small fine-tuning on
+  CIFAR-100;
+* paper 2 (the inner-momentum DP-Muon paper, appendix C): GPT-2 small
+  fine-tuned on E2E and DART, the ``"paper2"`` routing with an AdamW group
+  (learning rates 0.002 / 0.0035).
+
+The learning rates are where a search should start, not tuned values for
+every model; selecting among runs is not covered by the per-run guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import optax
+
+from dpmuon_jax.optimizers.classic import dp_adam, dp_adamw, dp_sgd
+from dpmuon_jax.optimizers.filters import dp_disk_muon, dp_disk_sgd, dp_doppler_muon, dp_doppler_sgd
+from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
+from dpmuon_jax.optimizers.options import QUERY_KINDS, Fallback, QueryKind
+from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_muon_bc, dp_muon_im
+from dpmuon_jax.privacy.disk_query import DISK_PRESETS
+from dpmuon_jax.privacy.release import PrivateTransformation
+
+CIFAR10 = "cifar10_wrn16_4"
+CIFAR100 = "cifar100_wrn16_4"
+VIT_SMALL = "vit_small_cifar100"
+GPT2 = "gpt2"
+
+WORKLOADS: Mapping[str, str] = MappingProxyType({
+    CIFAR10: "paper 1: CIFAR-10, WRN-16-4, ε = 4, 50 epochs, cosine decay with 5% warm-up",
+    CIFAR100: "paper 1: CIFAR-100, WRN-16-4, its tuned learning rates",
+    VIT_SMALL: "paper 1: ViT-Small fine-tuned on CIFAR-100",
+    GPT2: "paper 2: GPT-2 small fine-tuned on E2E / DART, paper2 routing, AdamW group",
+})
+DEFAULT_WORKLOAD = CIFAR10
+
+
+class Preset(NamedTuple):
+  """Where an optimizer starts on one workload: its learning rate and options."""
+
+  learning_rate: float
+  kwargs: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One private optimizer of the registry.
+
+  Attributes:
+    factory: ``factory(learning_rate, l2_clip_norm, noise_multiplier,
+      denominator, key, clipping=..., **kwargs)`` -> PrivateTransformation,
+      the signature of every ``dp_*``.
+    summary: one line, for ``dpmuon train --help``.
+    query: ``"gradient"``, ``"disk"`` or ``"inner_momentum"``: the
+      per-example query its release privatises (``optimizer.query``).
+    presets: workload name -> :class:`Preset`.
+  """
+
+  factory: Callable[..., PrivateTransformation]
+  summary: str
+  query: QueryKind = "gradient"
+  presets: Mapping[str, Preset] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.query not in QUERY_KINDS:
+      raise ValueError(f"query must be one of {QUERY_KINDS}, got {self.query!r}.")
+    unknown = sorted(set(self.presets) - set(WORKLOADS))
+    if unknown:
+      raise ValueError(f"Unknown workloads {unknown}; known: {', '.join(WORKLOADS)}.")
+
+
+_MOMENTUM = {"momentum": 0.9}
+_DISK = DISK_PRESETS["paper1"]._asdict()  # κ = 1.5, γ = −1
+_PAPER2 = {"routing": "paper2", "fallback": Fallback(kind="adamw", learning_rate=0.0035)}
+_IM = {"history": 1, "decay": 0.5}
+
+OPTIMIZERS: dict[str, Entry] = {
+    "dp_sgd": Entry(dp_sgd, "DP-SGD with heavy-ball momentum", presets={
+        CIFAR10: Preset(0.3, _MOMENTUM), CIFAR100: Preset(1.0, _MOMENTUM),
+        VIT_SMALL: Preset(0.01, _MOMENTUM)}),
+    "dp_adam": Entry(dp_adam, "DP-Adam", presets={
+        CIFAR10: Preset(1e-3), CIFAR100: Preset(0.01), VIT_SMALL: Preset(3e-4)}),
+    "dp_adamw": Entry(dp_adamw, "DP-AdamW", presets={CIFAR10: Preset(1e-3)}),
+    "dp_muon": Entry(
+        dp_muon, "DP-Muon: Nesterov EMA, Newton–Schulz, aspect scaling (paper 1)", presets={
+            CIFAR10: Preset(0.02), CIFAR100: Preset(0.1), VIT_SMALL: Preset(0.002),
+            GPT2: Preset(0.002, _PAPER2)}),
+    "dp_muon_s": Entry(
+        dp_muon_s, "DP-Muon-S: σ₁-scaled orthogonalised momentum (paper 1)", presets={
+            CIFAR10: Preset(0.3), CIFAR100: Preset(0.5)}),
+    "dp_disk_sgd": Entry(
+        dp_disk_sgd, "DiSK-SGD: Kalman κ=1.5, γ=−1 (paper 1; γ inferred from the DiSK code)",
+        "disk", {CIFAR10: Preset(0.01, _DISK)}),
+    "dp_doppler_sgd": Entry(
+        dp_doppler_sgd, "DOPPLER-SGD: bias-corrected EMA(0.9) low-pass (paper 1)",
+        presets={CIFAR10: Preset(3.0)}),
+    "dp_disk_muon": Entry(
+        dp_disk_muon,
+        "DiSK-Muon: Kalman filter feeding DP-Muon (paper 1; lr not printed, DP-Muon's)",
+        "disk", {CIFAR10: Preset(0.02, _DISK), GPT2: Preset(0.002, _PAPER2)}),
+    "dp_doppler_muon": Entry(
+        dp_doppler_muon, "DOPPLER-Muon: EMA(0.9) replacing Muon's momentum, NS₅ (paper 1)",
+        presets={CIFAR10: Preset(0.02)}),
+    "dp_muon_im": Entry(
+        dp_muon_im, "DP-Muon-IM: inner-momentum query over K past states (paper 2)",
+        "inner_momentum", {CIFAR10: Preset(0.02, _IM), GPT2: Preset(0.002, _PAPER2)}),
+    "dp_muon_bc": Entry(
+        dp_muon_bc,
+        "DP-Muon-BC: heavy-ball DP-Muon, noise-bias-corrected Newton–Schulz (our estimator)",
+        presets={CIFAR10: Preset(0.02), GPT2: Preset(0.002, _PAPER2)}),
+    "dp_adam_bc": Entry(
+        dp_adam_bc, "DP-AdamBC: Adam with the DP-noise variance removed (Tang et al.)",
+        presets={CIFAR10: Preset(1e-3)}),
+}
+"""Name -> :class:`Entry`; change it only through :func:`register` / :func:`unregister`."""
+
+
+def register(name: str, entry: Entry) -> None:
+  """Adds ``entry`` as ``name`` (refused if the name is taken)."""
+  if name in OPTIMIZERS:
+    raise ValueError(f"Optimizer {name!r} is already registered.")
+  if not isinstance(entry, Entry):
+    raise TypeError(f"register needs an Entry, got {type(entry).__name__}.")
+  OPTIMIZERS[name] = entry
+
+
+def unregister(name: str) -> Entry:
+  """Removes ``name`` and returns its entry."""
+  return OPTIMIZERS.pop(_known(name))
+
+
+def _known(name: str) -> str:
+  if name not in OPTIMIZERS:
+    raise ValueError(f"Unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}.")
+  return name
+
+
+def names(workload: str | None = None) -> tuple[str, ...]:
+  """The registered names, or those with a preset for ``workload``."""
+  if workload is not None and workload not in WORKLOADS:
+    raise ValueError(f"Unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}.")
+  return tuple(k for k, e in OPTIMIZERS.items() if workload is None or workload in e.presets)
+
+
+def preset(name: str, workload: str = DEFAULT_WORKLOAD) -> Preset:
+  """The learning rate and options ``name`` starts from on ``workload``."""
+  presets = OPTIMIZERS[_known(name)].presets
+  if workload not in presets:
+    raise ValueError(
+        f"Unknown optimizer {name!r} for workload {workload!r} (it has presets for "
+        f"{', '.join(presets) or 'none'}); for {workload!r} choose from "
+        f"{', '.join(names(workload))}."
+    )
+  return presets[workload]
+
+
+def build(
+    name: str,
+    learning_rate: optax.ScalarOrSchedule | None,
+    release_kwargs: Mapping[str, Any],
+    workload: str = DEFAULT_WORKLOAD,
+    **overrides: Any,
+) -> PrivateTransformation:
+  """The named private optimizer with the run's release settings and the workload's preset.
+
+  Args:
+    name: a registered name.
+    learning_rate: η, float or optax schedule; ``None``: the preset's.
+    release_kwargs: ``l2_clip_norm``, ``noise_multiplier``, ``denominator``,
+      ``key``, ``clipping`` (``PrivateSetup.release_kwargs``).
+    workload: whose preset options (and learning rate) to start from.
+    **overrides: options that replace or extend the preset's.
+  """
+  start = preset(name, workload)
+  lr = start.learning_rate if learning_rate is None else learning_rate
+  return OPTIMIZERS[name].factory(lr, **release_kwargs, **{**start.kwargs, **overrides})
