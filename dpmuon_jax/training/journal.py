@@ -32,6 +32,8 @@ import json
 import os
 from typing import NamedTuple
 
+from dpmuon_jax.training.secret_files import private_open
+
 
 class JournalEntry(NamedTuple):
   """The record written before one release."""
@@ -58,13 +60,10 @@ class ResumePlan(NamedTuple):
 
 def append_entry(path: str, entry: JournalEntry) -> None:
   """Appends ``entry`` as one JSON line and syncs it to disk before returning."""
-  line = json.dumps(entry._asdict(), sort_keys=True) + "\n"
-  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-  try:
-    os.write(fd, line.encode())
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+  with private_open(path, "a") as f:
+    f.write(json.dumps(entry._asdict(), sort_keys=True) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def read_journal(path: str) -> list[JournalEntry]:
