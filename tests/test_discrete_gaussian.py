@@ -206,7 +206,7 @@ def test_dtype_and_shape(shape):
 @pytest.mark.parametrize("sigma", [1e-3, 0.3, 1.0, 4.0, 65536.0])
 @pytest.mark.parametrize("dim", [1, 10**6, 10**9])
 def test_single_discrete_gaussian_multiplier_is_sigma_over_sensitivity(sigma, dim):
-  """One N_Z(0, σ²) per coordinate is as private as the continuous Gaussian (CKS Thm 15)."""
+  """One N_Z(0, σ²) per coordinate is as private as the continuous Gaussian (CKS 2020)."""
   assert discrete_gaussian_tau(sigma, 1) == 0.0
   for l2 in (1.0, 3.5, 2.0**16):
     assert discrete_gaussian_noise_multiplier(sigma, l2, dim) == pytest.approx(

@@ -69,8 +69,8 @@ def test_accounting_equals_the_continuous_gaussian_within_the_stated_bound():
     multiplier = discrete_gaussian_noise_multiplier(
         math.sqrt(variance), rule.grid_sensitivity(dim), dim
     )
-    # CKS Theorem 15: the multiplier the accountant may use is σ_Z/Δ ≥ σ, and the
-    # ceiling of σ_Z² adds at most 1/(2(σΔ)²) relative.
+    # CKS 2020 (the multivariate discrete Gaussian): the multiplier the accountant may
+    # use is σ_Z/Δ ≥ σ, and the ceiling of σ_Z² adds at most 1/(2(σΔ)²) relative.
     bound = 1 / (2 * (SIGMA * rule.grid_sensitivity(dim)) ** 2)
     assert SIGMA <= multiplier <= SIGMA * (1 + bound + 1e-12)
   # The ledger of a secure release accounts for σ itself: ε is the continuous Gaussian's.

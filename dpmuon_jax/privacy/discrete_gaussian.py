@@ -25,13 +25,13 @@ timing of the release reveals nothing about it.
 **Accounting.** Let q map a dataset to Z^d with ‖q(x) − q(x')‖₂ ≤ Δ₂ for
 neighbours x, x' (for the release: the L2 sensitivity of the rounded, summed
 vectors, in grid units). Adding one N_Z(0, σ²) to each coordinate satisfies
-½(Δ₂/σ)²-concentrated DP (CKS, Theorem 15, the multivariate discrete
+½(Δ₂/σ)²-concentrated DP (CKS, on the multivariate discrete
 Gaussian): its Rényi divergence of every order α is at most αΔ₂²/(2σ²), the
 RDP curve of the continuous Gaussian mechanism with noise multiplier σ/Δ₂.
 When a coordinate's noise is instead the sum of n independent N_Z(0, σ²)
 (e.g. shares drawn on n hosts), the sum is not a discrete Gaussian. Kairouz,
 Liu and Steinke 2021 ("The Distributed Discrete Gaussian Mechanism for
-Federated Learning with Secure Aggregation", Proposition 14, below KLS) bound
+Federated Learning with Secure Aggregation", below KLS) bound
 its RDP of order α, for σ ≥ ½, by min{αΔ₂²/(2nσ²) + τd, (α/2)(Δ₂/(√n σ) + τ√d)²}, with
 
     τ = 10 · Σ_{k=1}^{n−1} exp(−2π²σ² · k/(k+1)),
@@ -360,7 +360,7 @@ def discrete_gaussian_tau(sigma: float, num_summands: int) -> float:
       τ = 10 · Σ_{k=1}^{n−1} exp(−2π²σ² · k/(k+1))
 
   (Kairouz, Liu and Steinke 2021, "The Distributed Discrete Gaussian Mechanism
-  for Federated Learning with Secure Aggregation", Proposition 14). τ = 0 for
+  for Federated Learning with Secure Aggregation", the τ bound). τ = 0 for
   n = 1: one discrete Gaussian needs no correction. The terms decrease in k,
   so the first 64 are summed exactly and each later one is bounded by the
   65th; the result is an upper bound, tight to a factor exp(2π²σ²/66) on the
@@ -399,9 +399,9 @@ def discrete_gaussian_noise_multiplier(sigma: float, l2_sensitivity: float, dim:
 
       ε = min{ sqrt(Δ₂²/(nσ²) + 2τd),  Δ₂/(√n σ) + τ√d }
 
-  (KLS 2021, Proposition 14, which needs σ ≥ ½ when n > 1; τ from
+  (KLS 2021, which needs σ ≥ ½ when n > 1; τ from
   :func:`discrete_gaussian_tau`). For n = 1, τ = 0 and ε = Δ₂/σ exactly (CKS
-  2020, Theorem 15: the multivariate discrete Gaussian is as private as the
+  2020, the multivariate discrete Gaussian: it is as private as the
   continuous one), so the multiplier is σ/Δ₂.
   ½ε²-concentrated DP means RDP α·ε²/2 at every order α, the RDP of the
   continuous Gaussian mechanism with multiplier 1/ε; Poisson subsampling is

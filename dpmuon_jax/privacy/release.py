@@ -197,7 +197,7 @@ def secure_noise_variance(noise_multiplier: float, clipping: Clipping, dim: int)
   (:meth:`~dpmuon_jax.privacy.clipping.Clipping.grid_sensitivity`). With
   σ_Z² = ⌈(σΔ)²⌉, the discrete Gaussian satisfies the same concentrated DP as a
   continuous Gaussian of multiplier σ_Z/Δ ≥ σ (Canonne, Kamath and Steinke
-  2020, Theorem 15), so the ledger accounts for σ as in the float mode.
+  2020, the multivariate discrete Gaussian), so the ledger accounts for σ as in the float mode.
   """
   delta = clipping.grid_sensitivity(dim)
   variance = math.ceil((noise_multiplier * delta) ** 2)
