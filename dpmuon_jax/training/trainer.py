@@ -405,22 +405,27 @@ def _metadata(config: TrainConfig, data: ImageDataset, run: _Run, root: RootKey,
   }
 
 
-def _starting_point(config, run: _Run, ckpt_dir, metadata, resume_step):
-  """(ledger, params, opt_state, step, history) of a new run or of its checkpoint."""
-  params = run.initial_params
-  opt_state = run.optimizer.init(params)
+def _resumed_ledger(run: _Run, metadata: dict | None) -> PrivacyLedger:
+  """The run's ledger: a new one, or the checkpoint's if it accounts for the same settings."""
   if metadata is None:
-    return run.setup.ledger, params, opt_state, 0, []
+    return run.setup.ledger
   ledger = PrivacyLedger.from_json(metadata["ledger"])
   try:
     ledger.check_compatible(run.setup.ledger)
   except ValueError as error:
     raise TrainingError(f"Refusing to resume: {error}") from None
-  if metadata.get("stop_reason") in _FINISHED:
-    return ledger, None, None, None, metadata["history"]
+  return ledger
+
+
+def _starting_point(run: _Run, ckpt_dir, metadata, resume_step):
+  """(params, opt_state, step, history) of a new run or of its checkpoint."""
+  params = run.initial_params
+  opt_state = run.optimizer.init(params)
+  if metadata is None:
+    return params, opt_state, 0, []
   restored = restore_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}),
                                 resume_step)
-  return ledger, restored.params, restored.opt_state, restored.step, metadata["history"]
+  return restored.params, restored.opt_state, restored.step, metadata["history"]
 
 
 def _plan_keys(config, run: _Run, ledger, journal_path, fingerprint, start, metadata, root):
@@ -456,10 +461,10 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   root = root_key(config.seed) if metadata is None else RootKey(
       jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"])
   run = _build_run(config, data, root)
-  ledger, params, opt_state, start, history = _starting_point(
-      config, run, ckpt_dir, metadata, resume_step)
-  if params is None:
+  ledger = _resumed_ledger(run, metadata)
+  if metadata is not None and metadata.get("stop_reason") in _FINISHED:
     return _finished(config, metadata)
+  params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
   fingerprint = run_fingerprint(config, data)
   plan = _plan_keys(config, run, ledger, journal_path, fingerprint, start, metadata, root)
   state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
