@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dpmuon_jax as dm
-from dpmuon_jax.privacy.clipping import flat_norm
+from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name, flat_norm
 
 C = 1.5
 ROUNDING = 1 + 1e-6  # float32 rounding of g · C/‖g‖
@@ -124,3 +124,23 @@ def test_norm_is_float32_on_the_vector_summed():
 def test_bad_clip_norm_is_rejected(bad):
   with pytest.raises(ValueError, match="l2_clip_norm"):
     dm.flat_clipping(bad)
+
+
+@pytest.mark.parametrize("style", CLIPPING_STYLES)
+def test_clipping_by_name_bounds_every_example_by_c(style):
+  """Every named style keeps one example's total contribution within C."""
+  rule = clipping_by_name(style, 1.5)
+  assert rule.l2_clip_norm == 1.5
+  rng = np.random.default_rng(0)
+  grads = {"a": jnp.asarray(rng.normal(size=(6, 4, 3)) * 10, jnp.float32),
+           "b": jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)}
+  clipped = jax.vmap(lambda g: rule.clip(g).clipped)(grads)
+  norms = np.sqrt(sum(np.sum(np.asarray(v).reshape(6, -1) ** 2, axis=1) for v in clipped.values()))
+  assert np.all(norms <= 1.5 * (1 + 1e-5))
+  assert rule.per_layer == style.endswith("per_layer")
+  assert rule.automatic == style.startswith("automatic")
+
+
+def test_clipping_by_name_refuses_unknown_style():
+  with pytest.raises(ValueError, match="clipping must be one of"):
+    clipping_by_name("per_example", 1.0)

@@ -162,6 +162,23 @@ def test_scale_by_muon_s_matches_hand_computed_recursion(buffer):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_muon_s_default_buffer_is_paper1_heavy_ball():
+  """Paper 1 design 4 defines σ₁ on the heavy-ball matrix M_t = βM_{t−1} + G̃_t."""
+  shape = (8, 16)
+  grads = _grads(shape, 3, seed=4)
+  default = scale_by_muon_s(exact_svd=True)
+  heavy = scale_by_muon_s(buffer="heavy_ball", exact_svd=True)
+  ema = scale_by_muon_s(buffer="ema", exact_svd=True)
+  states = [tx.init(grads[0]) for tx in (default, heavy, ema)]
+  for g in grads:
+    outs = []
+    for i, tx in enumerate((default, heavy, ema)):
+      out, states[i] = tx.update(g, states[i])
+      outs.append(np.asarray(out))
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6)
+  assert np.linalg.norm(outs[0]) > 5 * np.linalg.norm(outs[2])  # ≈ 1/(1−β) = 10× larger
+
+
 def test_muon_s_power_iteration_state_tracks_sigma1():
   shape = (32, 16)
   base = _normal(shape, 2)

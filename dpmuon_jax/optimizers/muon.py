@@ -22,7 +22,7 @@ method                  lr       β     post-processing
 ======================  =======  ====  ============================
 DP-SGD (fallback)       0.3      0.9   heavy-ball momentum
 DP-Muon                 0.02     0.95  Nesterov EMA, NS₅, aspect
-DP-Muon-S               0.3      0.9   EMA, σ₁(M)·NS₅, aspect
+DP-Muon-S               0.3      0.9   heavy-ball, σ₁(M)·NS₅, aspect
 ======================  =======  ====  ============================
 
 CIFAR-100 tuned: DP-Muon 0.1, DP-Muon-S 0.5; ViT-Small fine-tuning: DP-Muon
@@ -46,7 +46,7 @@ from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import ADD_REMOVE, Neighbouring, PrivateTransformation
-from dpmuon_jax.transforms.momentum import EMA
+from dpmuon_jax.transforms.momentum import HEAVY_BALL
 from dpmuon_jax.transforms.muon import scale_by_muon, scale_by_muon_s
 from dpmuon_jax.transforms.routing import Routing, partition_muon
 
@@ -152,7 +152,7 @@ def muon_s(
     learning_rate: optax.ScalarOrSchedule,
     *,
     beta: float = 0.9,
-    buffer: Buffer = EMA,
+    buffer: Buffer = HEAVY_BALL,
     power_iterations: int = 3,
     exact_svd: bool = False,
     mu_dtype: jnp.dtype | None = None,
@@ -162,8 +162,10 @@ def muon_s(
   """Muon-S (paper 1, design 4): Ĝ = σ₁(M_t)·sqrt(max(1, fan_out/fan_in))·NS₅(M_t), routed.
 
   :func:`dpmuon_jax.scale_by_muon_s` on the Muon group (paper 1's preset:
-  lr 0.3, β = 0.9). ``buffer="heavy_ball"`` selects the un-normalised
-  M_t = βM_{t−1} + G̃_t; ``power_iterations`` warm-started iterations per step
+  lr 0.3, β = 0.9). The buffer is paper 1's "heavy-ball momentum matrix"
+  M_t = βM_{t−1} + G̃_t (default); ``buffer="ema"`` selects
+  M_t = βM_{t−1} + (1−β)G̃_t, whose steps are (1−β) = 10× smaller at the
+  same learning rate. ``power_iterations`` warm-started iterations per step
   give σ₁ (``exact_svd`` for checks). ``groups``: ``weight_decay``,
   ``routing`` and ``fallback`` as in :func:`muon`.
   """

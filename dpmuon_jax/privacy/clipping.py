@@ -186,6 +186,25 @@ def automatic_clipping(
   return Clipping(l2_clip_norm, per_layer=per_layer, automatic=True, gamma=gamma)
 
 
+CLIPPING_STYLES = ("flat", "per_layer", "automatic", "automatic_per_layer")
+"""Named clipping rules (``dpmuon train --clipping``); all have total bound C."""
+
+
+def clipping_by_name(style: str, l2_clip_norm: float) -> Clipping:
+  """The rule named ``style`` (one of :data:`CLIPPING_STYLES`) with total bound C.
+
+  ``"automatic_per_layer"`` is paper 1's appendix style: AUTO-S
+  g_l · C_l/(‖g_l‖₂ + γ) on every layer, C_l = C/√L.
+  """
+  if style not in CLIPPING_STYLES:
+    raise ValueError(f"clipping must be one of {', '.join(CLIPPING_STYLES)}, got {style!r}.")
+  if style == "flat":
+    return flat_clipping(l2_clip_norm)
+  if style == "per_layer":
+    return per_layer_clipping(l2_clip_norm)
+  return automatic_clipping(l2_clip_norm, per_layer=style == "automatic_per_layer")
+
+
 def as_clipping(clipping: Clipping | float) -> Clipping:
   """A :class:`Clipping` from itself or from a bare C (flat clipping)."""
   if isinstance(clipping, Clipping):

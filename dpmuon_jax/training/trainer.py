@@ -43,6 +43,7 @@ from dpmuon_jax.distributed.mesh import (
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.accounting import PrivacyLedger
+from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
 from dpmuon_jax.privacy.release import PrivateTransformation, with_noise_counter
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
@@ -79,7 +80,8 @@ class TrainConfig:
   model: str = "cnn"
   dataset: str = "digits"
   data_dir: str | None = None
-  optimizer: str = "dp_sgd"
+  optimizer: str = "dp_muon"
+  optimizer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"buffer": "ema"}
   epsilon: float = 4.0
   delta: float = 1e-5
   batch_size: int = 256
@@ -87,6 +89,7 @@ class TrainConfig:
   learning_rate: float | None = None
   warmup_fraction: float = 0.05
   clip: float = 1.0
+  clipping: str = "flat"  # one of privacy.clipping.CLIPPING_STYLES, all with total bound clip
   noise_multiplier: float | None = None  # None: calibrate to (epsilon, delta)
   seed: int | None = None
   output_dir: str = "runs/dpmuon"
@@ -117,6 +120,7 @@ class TrainConfig:
         "init_weights": self.init_weights,
         "batch_size": self.batch_size,
         "clip": self.clip,
+        "clipping": self.clipping,
         "delta": self.delta,
         "accountant": self.accountant,
         "secure_noise": self.secure_noise,
@@ -137,6 +141,10 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
     raise TrainingError(
         f"Unknown optimizer {config.optimizer!r}; choose from "
         f"{', '.join(optimizer_registry.OPTIMIZERS)}."
+    )
+  if config.clipping not in CLIPPING_STYLES:
+    raise TrainingError(
+        f"--clipping must be one of {', '.join(CLIPPING_STYLES)}, got {config.clipping!r}."
     )
   from dpmuon_jax import checks
 
@@ -359,14 +367,15 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
       target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=data.num_train,
       expected_batch_size=config.batch_size, l2_clip_norm=config.clip, epochs=config.epochs,
       key=root, accountant=config.accountant, noise_multiplier=config.noise_multiplier,
-      secure_noise=config.secure_noise,
+      clipping=clipping_by_name(config.clipping, config.clip), secure_noise=config.secure_noise,
       # The padded batch must split evenly into devices × microbatches.
       capacity=sharded_capacity(
           data.num_train, config.batch_size / data.num_train, num_devices, config.microbatch_size
       ),
   )
   schedule = _learning_rate_schedule(config, setup.steps)
-  optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs)
+  optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs,
+                                       **config.optimizer_options)
   mesh = data_mesh(num_devices) if num_devices > 1 else None
   step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
                               mesh=mesh)

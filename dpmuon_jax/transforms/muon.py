@@ -48,7 +48,7 @@ from dpmuon_jax.linalg.scaling import (
     matrix_view,
     path_names,
 )
-from dpmuon_jax.transforms.momentum import EMA, Buffer, muon_momentum
+from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL, Buffer, muon_momentum
 
 PyTree = Any
 
@@ -208,7 +208,7 @@ def scale_by_muon(
 def scale_by_muon_s(
     beta: float = 0.9,
     *,
-    buffer: Buffer = EMA,
+    buffer: Buffer = HEAVY_BALL,
     power_iterations: int = 3,
     exact_svd: bool = False,
     ns_steps: int = 5,
@@ -223,13 +223,12 @@ def scale_by_muon_s(
 
   Args:
     beta: β (paper 1's preset: 0.9).
-    buffer: ``"ema"`` (default; paper 1 design 1's M_t = βM_{t−1} + (1−β)G̃_t)
-      or ``"heavy_ball"`` (the un-normalised M_t = βM_{t−1} + G̃_t, "heavy-ball"
-      read literally, as in Kim & Fan). No look-ahead either way. Because σ₁ carries
-      the buffer's scale, ``"heavy_ball"`` steps are ≈ 1/(1−β) times larger
-      (10× at β = 0.9), so learning rates do not transfer between the two.
-      Paper 1's text calls M_t "the heavy-ball momentum matrix"; the default
-      here reads it as the EMA buffer of paper 1's DP-Muon (design 1).
+    buffer: ``"heavy_ball"`` (default: paper 1 design 4 defines σ₁ on "the
+      heavy-ball momentum matrix" M_t = βM_{t−1} + G̃_t) or ``"ema"``
+      (M_t = βM_{t−1} + (1−β)G̃_t, the buffer of paper 1's DP-Muon). No
+      look-ahead either way. Because σ₁ carries the buffer's scale,
+      ``"heavy_ball"`` steps are ≈ 1/(1−β) times larger (10× at β = 0.9), so
+      learning rates do not transfer between the two.
     power_iterations: warm-started iterations per step for σ₁.
     exact_svd: compute σ₁ by SVD instead (for checks; slow on large layers).
     ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision,
