@@ -4,6 +4,7 @@
     python -m experiments.sweep main_table --data-dir ~/tensorflow_datasets   # GPU/TPU
     python -m experiments.sweep main_table --tiny      # one step per run on tiny shapes (CI)
     python -m experiments.sweep svhn_cpu --stand-in    # wall time only: random data, /tmp
+    python -m experiments.sweep batch_size_study --data-dir ../shared/data --workers 2
 
 Writes ``<out>/runs.csv`` (one row per optimizer × batch size × seed, with the
 ε each run spent), ``<out>/summary.csv`` (mean ± std over seeds of the final
@@ -38,6 +39,7 @@ from dpmuon_jax.data.loaders import load_dataset
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.trainer import TrainConfig, train
 from experiments.configs import EXPERIMENTS, Experiment
+from experiments.study_configs import STUDIES
 
 RUN_FIELDS = (
     "optimizer", "batch_size", "seed", "learning_rate", "noise_multiplier", "epsilon_spent",
@@ -236,10 +238,21 @@ def _plot(path: str, summary: list[dict], exp: Experiment) -> None:
   plt.close(fig)
 
 
+def run_study_command(study, args) -> int:
+  """A :mod:`experiments.study` study: train what is missing, then write its report."""
+  from experiments.study import run_study
+  from experiments.study_report import write_report
+
+  out = args.out or os.path.join(os.path.dirname(__file__), "results", study.name)
+  rows = run_study(study, out, args.data_dir, workers=args.workers)
+  write_report(study, rows, out, args.data_dir)
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
+  parser.add_argument("experiment", choices=sorted(EXPERIMENTS) + sorted(STUDIES))
   parser.add_argument("--out", default=None, help="default: experiments/results/<experiment>")
   parser.add_argument("--data-dir", default=None,
                       help="TFDS data dir, and the folder of relative .npz paths")
@@ -250,11 +263,15 @@ def main(argv: list[str] | None = None) -> int:
                       "the temporary folder")
   parser.add_argument("--compilation-cache", default=None, metavar="DIR",
                       help="persistent XLA compilation cache (seeds of one run compile once)")
+  parser.add_argument("--workers", type=int, default=1,
+                      help="studies: runs trained side by side (separate processes)")
   args = parser.parse_args(argv)
   if args.compilation_cache:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+  if args.experiment in STUDIES:
+    return run_study_command(STUDIES[args.experiment], args)
   exp = EXPERIMENTS[args.experiment]
   if args.stand_in:
     out = args.out or os.path.join(tempfile.gettempdir(), "dpmuon_stand_in", exp.name)

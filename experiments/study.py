@@ -1,0 +1,300 @@
+"""Studies whose learning rates are chosen on a validation split, restartably.
+
+A :class:`Study` is a list of :class:`Arm` s (optimizer × expected batch size
+× training length × clipping style). Every arm gets the same learning-rate
+rule: a ×``grid_factor``-spaced grid of ``grid_points`` rates around the arm's
+``lr_center``, each trained once (seed ``seeds[0]``) and scored by the final
+accuracy on a validation split held out from the training images; while the
+best rate lies on the grid's edge the grid grows by one step on that side (at
+most ``max_extensions`` times). The chosen rate is then trained with the
+remaining seeds. Test accuracy is measured once, on the final parameters of
+every run, and never used for a choice.
+
+The selection reads the validation split, which is part of the private
+training data: the per-run (ε, δ) of each row does NOT cover the search.
+:func:`dpmuon_jax.privacy.tuning` selects privately; an arm with
+``tuning="private"`` runs that procedure instead, and its row's ε covers the
+whole tuning.
+
+Restartable: every finished run is appended to ``runs.csv`` at once, and a
+rerun skips the runs already recorded (a run interrupted half-way resumes from
+its checkpoint). ``--workers 2`` trains two runs side by side.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import csv
+import dataclasses
+import math
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+RUN_FIELDS = (
+    "arm", "optimizer", "batch_size", "clipping", "epochs", "learning_rate", "seed",
+    "noise_multiplier", "epsilon_spent", "delta", "releases", "final_val_accuracy",
+    "best_val_accuracy", "test_accuracy", "seconds",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One row of a study: an optimizer at one batch size, length and clipping style.
+
+  ``epochs`` fixes the training length; ``releases`` instead fixes the number
+  of releases T (then epochs = T·B/N). ``options`` go to the optimizer
+  factory (e.g. ``{"buffer": "ema"}``).
+  """
+
+  optimizer: str
+  batch_size: int
+  lr_center: float
+  epochs: float | None = None
+  releases: int | None = None
+  clipping: str = "flat"
+  options: tuple[tuple[str, object], ...] = ()
+  label: str = "main"
+
+  @property
+  def name(self) -> str:
+    suffix = "" if self.label == "main" else f"_{self.label}"
+    return f"{self.optimizer}_B{self.batch_size}{suffix}"
+
+  def training_epochs(self, num_train: int) -> float:
+    if (self.epochs is None) == (self.releases is None):
+      raise ValueError(f"{self.name}: give exactly one of epochs and releases.")
+    if self.epochs is not None:
+      return self.epochs
+    return self.releases * self.batch_size / num_train
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """Arms trained on one dataset and model at one (ε, δ); see the module docstring."""
+
+  name: str
+  description: str
+  arms: tuple[Arm, ...]
+  dataset: str = "cifar10.npz"
+  model: str = "cnn"
+  model_overrides: tuple[tuple[str, object], ...] = ()
+  validation_size: int = 5_000
+  epsilon: float = 4.0
+  delta: float = 1e-5
+  clip: float = 1.0
+  seeds: tuple[int, ...] = (42, 43, 44)
+  grid_points: int = 3
+  grid_factor: float = 3.0
+  max_extensions: int = 2
+  microbatch_size: int | None = 256
+  warmup_fraction: float = 0.05
+  scale: str = "cpu"
+
+
+# ---------------------------------------------------------------------------
+# The learning-rate rule (pure: from recorded runs to the next runs).
+
+
+def _lr(center: float, factor: float, k: int) -> float:
+  return float(f"{center * factor ** k:.4g}")
+
+
+def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], float | None]:
+  """(rates still to train at seed ``seeds[0]``, the chosen rate or ``None`` yet).
+
+  The grid starts at offsets −(p−1)/2 … (p−1)/2 around ``lr_center``; while the
+  best validation accuracy is at an edge it extends by one step on that side.
+  """
+  half = (study.grid_points - 1) // 2
+  offsets = list(range(-half, study.grid_points - half))
+  scores = {float(r["learning_rate"]): float(r["final_val_accuracy"]) for r in rows
+            if r["arm"] == arm.name and int(r["seed"]) == study.seeds[0]}
+  for _ in range(study.max_extensions + 1):
+    rates = {k: _lr(arm.lr_center, study.grid_factor, k) for k in offsets}
+    missing = [lr for lr in rates.values() if lr not in scores]
+    if missing:
+      return missing, None
+    best = max(offsets, key=lambda k: (scores[rates[k]], -abs(k)))
+    if best == offsets[0]:
+      offsets.insert(0, offsets[0] - 1)
+    elif best == offsets[-1]:
+      offsets.append(offsets[-1] + 1)
+    else:
+      return [], rates[best]
+  return [], rates[best]  # still on the edge after every extension: said in the summary
+
+
+def ready_runs(study: Study, rows: list[dict]) -> Iterator[tuple[Arm, float, int]]:
+  """Every (arm, learning rate, seed) that can be trained now, in arm order."""
+  for arm in study.arms:
+    pending, chosen = grid_state(study, arm, rows)
+    for lr in pending:
+      yield arm, lr, study.seeds[0]
+    if chosen is not None:
+      done = {int(r["seed"]) for r in rows
+              if r["arm"] == arm.name and float(r["learning_rate"]) == chosen}
+      for seed in study.seeds:
+        if seed not in done:
+          yield arm, chosen, seed
+
+
+# ---------------------------------------------------------------------------
+# Data and one run (in a worker process).
+
+
+def split_data(study: Study, data_dir: str | None):
+  """(train-minus-validation with validation as its eval set, the same with the test set)."""
+  from dpmuon_jax.data.images import ImageDataset
+  from dpmuon_jax.data.loaders import load_dataset
+
+  spec = study.dataset
+  if spec.endswith(".npz") and data_dir and not os.path.isabs(spec):
+    spec = os.path.join(data_dir, spec)
+  data = load_dataset(spec, data_dir)
+  n = data.num_train - study.validation_size
+  if n <= 0:
+    raise ValueError(f"validation_size {study.validation_size} leaves no training images.")
+  x, y = data.x_train[:n], data.y_train[:n]
+  with_val = ImageDataset(x, y, data.x_train[n:], data.y_train[n:], data.num_classes, data.name)
+  with_test = ImageDataset(x, y, data.x_test, data.y_test, data.num_classes, data.name)
+  return with_val, with_test
+
+
+def run_dir(out: str, arm: Arm, lr: float, seed: int) -> str:
+  return os.path.join(out, "runs", arm.name, f"lr{lr:g}_s{seed}")
+
+
+def train_one(study: Study, arm: Arm, lr: float, seed: int, out: str,
+              data_dir: str | None, max_steps: int | None = None) -> dict:
+  """Trains one run (resuming an interrupted one) and returns its CSV row."""
+  from dpmuon_jax.training.trainer import JOURNAL_NAME, TrainConfig, train
+
+  with_val, with_test = split_data(study, data_dir)
+  directory = run_dir(out, arm, lr, seed)
+  started = os.path.exists(os.path.join(directory, JOURNAL_NAME))
+  config = TrainConfig(
+      model=study.model, dataset=study.dataset, optimizer=arm.optimizer,
+      optimizer_options=dict(arm.options), epsilon=study.epsilon, delta=study.delta,
+      batch_size=arm.batch_size, epochs=arm.training_epochs(with_val.num_train),
+      learning_rate=lr, warmup_fraction=study.warmup_fraction, clip=study.clip,
+      clipping=arm.clipping, seed=seed, output_dir=directory, resume=started,
+      microbatch_size=study.microbatch_size, progress=False, plot=False, max_steps=max_steps,
+      model_overrides=dict(study.model_overrides),
+  )
+  start = time.perf_counter()
+  results = train(config, with_val)
+  seconds = time.perf_counter() - start
+  test_accuracy = evaluate_export(study, os.path.join(directory, "export"), with_test)
+  shutil.rmtree(os.path.join(directory, "checkpoints"), ignore_errors=True)  # export/ stays
+  return {
+      "arm": arm.name, "optimizer": arm.optimizer, "batch_size": arm.batch_size,
+      "clipping": arm.clipping, "epochs": config.epochs, "learning_rate": lr, "seed": seed,
+      "noise_multiplier": results["noise_multiplier"], "epsilon_spent": results["epsilon_spent"],
+      "delta": study.delta, "releases": results["releases"],
+      "final_val_accuracy": results["final_test_accuracy"],
+      "best_val_accuracy": results["best_test_accuracy"], "test_accuracy": test_accuracy,
+      "seconds": seconds,
+  }
+
+
+def final_params(study: Study, export_dir: str, data):
+  """The model's apply function and the parameters saved in ``export_dir``."""
+  from dpmuon_jax.models.registry import model_and_loss
+  from dpmuon_jax.training.export import load_exported
+
+  model, loss_fn = model_and_loss(study.model, data.num_classes, data.image_shape, seed=0,
+                                  **dict(study.model_overrides))
+  return model, loss_fn, load_exported(export_dir, like=model.params).params
+
+
+def evaluate_export(study: Study, export_dir: str, data, batch: int = 1000) -> float:
+  """Accuracy of the exported parameters on ``data``'s evaluation split."""
+  import jax
+  import jax.numpy as jnp
+
+  from dpmuon_jax.data.images import normalize
+
+  model, _, params = final_params(study, export_dir, data)
+  info = data.info
+  predict = jax.jit(lambda p, x: jnp.argmax(model.apply(p, normalize(x, info.mean, info.std)), -1))
+  correct = 0
+  for start in range(0, data.num_test, batch):
+    images, labels = data.x_test[start:start + batch], data.y_test[start:start + batch]
+    correct += int(np.sum(np.asarray(predict(params, jnp.asarray(images))) == labels))
+  return correct / data.num_test
+
+
+# ---------------------------------------------------------------------------
+# The restartable driver.
+
+
+def read_rows(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def append_row(path: str, row: dict) -> None:
+  """Appends one finished run (header first if the file is new), flushed at once."""
+  new = not os.path.exists(path)
+  with open(path, "a", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=RUN_FIELDS)
+    if new:
+      writer.writeheader()
+    writer.writerow(row)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _worker_init() -> None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
+              max_steps: int | None = None, max_runs: int | None = None) -> list[dict]:
+  """Trains every run not yet in ``out/runs.csv``, ``workers`` at a time."""
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, "runs.csv")
+  rows = read_rows(path)
+  context = multiprocessing.get_context("spawn")
+  started = 0
+  running: dict[futures.Future, tuple[str, float, int]] = {}
+  with futures.ProcessPoolExecutor(workers, mp_context=context,
+                                   initializer=_worker_init) as pool:
+    while True:
+      busy = set(running.values())
+      for arm, lr, seed in ready_runs(study, rows):
+        if len(running) >= workers or (max_runs is not None and started >= max_runs):
+          break
+        if (arm.name, lr, seed) in busy:
+          continue
+        job = pool.submit(train_one, study, arm, lr, seed, out, data_dir, max_steps)
+        running[job] = (arm.name, lr, seed)
+        busy.add((arm.name, lr, seed))
+        started += 1
+      if not running:
+        return rows
+      done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+      for job in done:
+        del running[job]
+        row = job.result()
+        append_row(path, row)
+        rows.append({k: str(v) for k, v in row.items()})
+        print(f"[{len(rows)}] {row['arm']} lr={row['learning_rate']:g} seed={row['seed']}: "
+              f"val {row['final_val_accuracy']:.4f} test {row['test_accuracy']:.4f} "
+              f"ε={row['epsilon_spent']:.3f} {row['seconds']:.0f} s", flush=True)
+
+
+def finished(study: Study, rows: list[dict]) -> bool:
+  return next(ready_runs(study, rows), None) is None
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+  mean = float(np.mean(values))
+  return mean, float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
