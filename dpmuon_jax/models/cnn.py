@@ -49,7 +49,7 @@ def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
 def image_patches(
     x: jax.Array, window: Sequence[int], strides: Sequence[int], padding: PaddingLike
 ) -> jax.Array:
-  """(N, *spatial, C) → (N, *out_spatial, prod(window)·C), features ordered (window…, C).
+  """``(N, *spatial, C)`` → ``(N, *out_spatial, prod(window)·C)``, features ordered (window…, C).
 
   Built from strided slices of the padded input (pure data movement, so its
   gradient is a pad-and-add, never a convolution).
