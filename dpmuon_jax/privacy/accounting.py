@@ -29,14 +29,14 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import dp_accounting
 import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpmuon_jax.privacy.release import GaussianReleaseSpec
+from dpmuon_jax.privacy.release import GaussianReleaseSpec, Neighbouring
 
 RDP = "rdp"
 PLD = "pld"
@@ -77,7 +77,7 @@ class _DropDpAccountingRecords(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_dp_accounting() -> Iterator[None]:
+def quiet_dp_accounting() -> Iterator[None]:
   """Silences dp-accounting's log warnings for the duration of a computation.
 
   dp-accounting 0.6 reports through logging, not ``warnings``: the RDP
@@ -166,7 +166,7 @@ def _epsilon(
     return 0.0
   if noise_multiplier == 0.0:
     return math.inf
-  with _quiet_dp_accounting():
+  with quiet_dp_accounting():
     acc = make_accountant(accountant)
     acc.compose(gaussian_release_event(noise_multiplier, sampling_rate, steps))
     return float(acc.get_epsilon(target_delta))
@@ -207,7 +207,7 @@ CALIBRATION_RTOL = 1e-3
 """Calibration stops once ε(σ) is within this relative distance below the target."""
 
 
-def _refine(
+def refine_bracket(
     log_gap: Callable[[float], float],
     fits: float,
     fails: float,
@@ -249,7 +249,8 @@ def _refine(
   return fits
 
 
-def _log_gap(epsilon: float, target_epsilon: float) -> float:
+def log_gap(epsilon: float, target_epsilon: float) -> float:
+  """log(ε / target): the residual :func:`refine_bracket` drives below zero."""
   if epsilon == 0.0:
     return -math.inf
   return math.log(epsilon / target_epsilon)
@@ -268,7 +269,7 @@ def calibrate_noise_multiplier(
 
   ε decreases in σ. A geometric search brackets σ by factors of 2 from σ = 1,
   then secant steps in (log σ, log ε) safeguarded by bisection
-  (:func:`_refine`) shrink the bracket; the end with ε ≤ target is returned.
+  (:func:`refine_bracket`) shrink the bracket; the end with ε ≤ target is returned.
   Add/remove-one adjacency; for replace-one adjacency, double the result.
   """
   _check_epsilon(target_epsilon)
@@ -289,8 +290,8 @@ def calibrate_noise_multiplier(
   close_enough = lambda fits, fails, gap_fits: (
       gap_fits >= math.log1p(-CALIBRATION_RTOL) or fits - fails <= 1e-9 * fits
   )
-  return _refine(
-      lambda sigma: _log_gap(epsilon(sigma), target_epsilon),
+  return refine_bracket(
+      lambda sigma: log_gap(epsilon(sigma), target_epsilon),
       fits, fails, integer=False, close_enough=close_enough,
   )
 
@@ -401,7 +402,8 @@ class PrivacyLedger:
     """σ as the accountant sees it (σ/2 under replace-one adjacency)."""
     c = self.config
     spec = GaussianReleaseSpec(
-        c.l2_clip_norm, c.noise_multiplier, c.denominator, self.seeded, c.neighbouring
+        c.l2_clip_norm, c.noise_multiplier, c.denominator, self.seeded,
+        cast(Neighbouring, c.neighbouring),
     )
     return spec.accounting_noise_multiplier
 
@@ -452,12 +454,13 @@ class PrivacyLedger:
     """The largest T with ε(T) ≤ target ε.
 
     Brackets T from one epoch (1/q) upwards by extrapolation in (log T,
-    log ε), then :func:`_refine` on the integers. Cached: a ledger's
+    log ε), then :func:`refine_bracket` on the integers. Cached: a ledger's
     configuration never changes.
     """
     c = self.config
     if c.target_epsilon is None:
       raise ValueError("max_steps needs a ledger built with target_epsilon.")
+    target: float = c.target_epsilon
     if self._max_steps is None:
       sigma = self.accounting_noise_multiplier
       epsilon = lambda t: _epsilon(sigma, c.sampling_rate, t, c.target_delta, c.accountant)
@@ -475,8 +478,8 @@ class PrivacyLedger:
           growth = (c.target_epsilon / eps_fails) ** (1.0 / slope)
         fits, fails = fails, max(fails + 1, math.ceil(1.1 * fails * min(growth, 1e3)))
       self._max_steps = int(
-          _refine(
-              lambda t: _log_gap(epsilon(t), c.target_epsilon),
+          refine_bracket(
+              lambda t: log_gap(epsilon(t), target),
               fits, fails, integer=True,
               close_enough=lambda fits, fails, gap_fits: fails - fits == 1,
           )

@@ -1,0 +1,258 @@
+"""Private learning-rate selection with the image trainer (``dpmuon tune``).
+
+The best of a random number K of private training runs (Papernot & Steinke,
+"Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022; the
+bounds are in :mod:`dpmuon_jax.privacy.tuning`). Each run is
+
+    lr ~ Uniform(grid) ─► train(lr, σ) on the training part ─► exported parameters
+      ─► accuracy on the validation part + N(0, score_std²) ─► released score
+
+and only the run with the best released score is kept. The validation part is
+the LAST ``validation_size`` examples of the training split, fixed by position
+before anything private runs; neighbouring datasets add or remove one record
+in one of the two parts. The accuracy over n_val examples has add/remove
+sensitivity 1/n_val, so its noise multiplier is σ_s = score_std·n_val. The
+accounting composes each run's T training releases with its score release and
+applies the tuning bound; the σ of every run is calibrated so that the WHOLE
+procedure spends at most the target ε.
+
+Published, and covered by the tuned (ε, δ): ``tuning.json`` (the chosen
+learning rate, its noisy score, the guarantee) and ``selected_run/`` (what
+``dpmuon train`` writes for that run; its checkpoints are SECRET as always,
+its ``export/`` is public, and its per-run certificate says, rightly, that it
+does not cover the search). K, the other runs and their scores stay hidden:
+they are deleted as soon as they are beaten. ``show_all_runs`` adds them to
+``tuning.json`` under ``nonprivate_runs``, outside the guarantee; so is the
+running time, which grows with K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpmuon_jax import checks
+from dpmuon_jax.data.images import ImageDataset, normalize
+from dpmuon_jax.models.registry import model_and_loss
+from dpmuon_jax.privacy.accounting import compute_epsilon
+from dpmuon_jax.privacy.tuning import (
+    Poisson,
+    RunCount,
+    RunPrivacy,
+    ScoreRelease,
+    TuningResult,
+    calibrate_tuned_noise_multiplier,
+    expected_runs,
+    noisy_score,
+    private_tune,
+)
+from dpmuon_jax.training.export import load_exported
+from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
+
+SUMMARY_FILE = "tuning.json"
+SELECTED_DIR = "selected_run"
+
+
+def learning_rate_grid(center: float, size: int, factor: float = 3.0) -> tuple[float, ...]:
+  """``size`` learning rates spaced by ×``factor``, geometrically centred on ``center``."""
+  checks.check_positive("learning rate", center)
+  checks.check_positive_int("grid size", size)
+  checks.check_in_range("grid factor", factor, 1.0, math.inf, low_inclusive=False)
+  return tuple(float(center * factor ** (i - (size - 1) / 2)) for i in range(size))
+
+
+def holdout(data: ImageDataset, size: int) -> tuple[ImageDataset, np.ndarray, np.ndarray]:
+  """The training split without its last ``size`` examples, and those examples (validation)."""
+  checks.check_positive_int("validation size", size)
+  if size >= data.num_train:
+    raise ValueError(
+        f"validation size must be below the training set size {data.num_train}, got {size}."
+    )
+  cut = data.num_train - size
+  train_part = ImageDataset(data.x_train[:cut], data.y_train[:cut], data.x_test, data.y_test,
+                            num_classes=data.num_classes, name=data.name)
+  return train_part, data.x_train[cut:], data.y_train[cut:]
+
+
+class TuneOptions(NamedTuple):
+  """How ``dpmuon tune`` searches (the trainer settings come in a :class:`TrainConfig`).
+
+  Attributes:
+    learning_rates: the public grid.
+    distribution: the law of the number of runs K.
+    validation_size: n_val, held out from the end of the training split.
+    score_std: standard deviation of the noise on each run's validation accuracy.
+    seed: makes K, the grid draws, the score noise and the runs reproducible
+      (recorded as seeded); ``None``: OS entropy.
+    show_all_runs: also write every run's learning rate and score (NON-private).
+  """
+
+  learning_rates: tuple[float, ...]
+  distribution: RunCount
+  validation_size: int
+  score_std: float
+  seed: int | None = None
+  show_all_runs: bool = False
+
+
+class _Plan(NamedTuple):
+  run: RunPrivacy
+  score: ScoreRelease
+  run_epsilon: float  # each run's training releases alone, the trainer's ledger budget
+
+
+def _plan(config: TrainConfig, train_part: ImageDataset, options: TuneOptions) -> _Plan:
+  """q and T as the trainer derives them, σ calibrated for the whole tuning procedure."""
+  if config.noise_multiplier is not None:
+    raise TrainingError("dpmuon tune calibrates σ itself; do not fix the noise multiplier.")
+  if config.accountant != "rdp":
+    raise TrainingError("dpmuon tune accounts with RDP (its bounds are RDP bounds).")
+  if not 0 < config.batch_size <= train_part.num_train:
+    raise TrainingError(
+        f"--batch-size must be in [1, {train_part.num_train}] (the training part), "
+        f"got {config.batch_size}."
+    )
+  checks.check_positive("--epochs", config.epochs)
+  checks.check_positive("--score-std", options.score_std)
+  q = config.batch_size / train_part.num_train
+  steps = max(1, round(config.epochs / q))
+  n_val = options.validation_size
+  score = noisy_score(1.0 / n_val, options.score_std * n_val)
+  sigma = calibrate_tuned_noise_multiplier(
+      config.epsilon, config.delta, q, steps, options.distribution, score)
+  return _Plan(RunPrivacy(sigma, q, steps), score, compute_epsilon(sigma, q, steps, config.delta))
+
+
+def _accuracy(apply: Callable, params: Any, images: np.ndarray, labels: np.ndarray,
+              info, chunk: int = 500) -> float:
+  """The fraction of ``images`` whose argmax prediction is their label."""
+
+  @jax.jit
+  def correct(params, x, y):
+    logits = apply(params, normalize(x, info.mean, info.std))
+    return jnp.sum(jnp.argmax(logits, -1) == y)
+
+  total = sum(int(correct(params, images[i:i + chunk], labels[i:i + chunk]))
+              for i in range(0, len(labels), chunk))
+  return total / len(labels)
+
+
+def _train_fn(config: TrainConfig, train_part: ImageDataset,
+              validation: tuple[np.ndarray, np.ndarray], plan: _Plan, runs_dir: str) -> Callable:
+  """One private run for a learning rate: (validation accuracy, its run record)."""
+  model, _ = model_and_loss(config.model, cast(int, train_part.num_classes),
+                            train_part.image_shape,
+                            seed=config.model_seed, **config.model_overrides)
+
+  def train_fn(learning_rate: float, seed: int | None) -> tuple[float, dict]:
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=runs_dir)
+    run_config = dataclasses.replace(
+        config, learning_rate=learning_rate, seed=seed, output_dir=run_dir, resume=False,
+        noise_multiplier=plan.run.noise_multiplier, epsilon=plan.run_epsilon)
+    results = train(run_config, train_part)
+    if (results["releases"] > plan.run.steps
+        or results["noise_multiplier"] != plan.run.noise_multiplier
+        or results["sampling_rate"] != plan.run.sampling_rate):
+      raise RuntimeError(f"A tuning run released more than accounted for: {results}.")
+    params = load_exported(results["export"], like=model.params).params
+    accuracy = _accuracy(model.apply, params, validation[0], validation[1], train_part.info)
+    return accuracy, {"dir": run_dir, "learning_rate": learning_rate, "results": results}
+
+  return train_fn
+
+
+def _distribution_json(distribution: RunCount) -> dict:
+  if isinstance(distribution, Poisson):
+    return {"law": "poisson", "mu": distribution.mu, "expected_runs": distribution.mu}
+  return {"law": "truncated_negative_binomial", "eta": distribution.eta,
+          "gamma": distribution.gamma, "expected_runs": expected_runs(distribution)}
+
+
+def _guarantee(out: TuningResult) -> str:
+  text = (f"({out.epsilon:.4g}, {out.delta:g})-differential privacy for the whole tuning "
+          "procedure (add/remove one example of the training or the validation part), "
+          "covering the chosen learning rate, its noisy score and selected_run/; the number of "
+          "runs, the other runs and the running time are not covered and stay unpublished; "
+          "the certificate in selected_run/export/ gives the ε of that run alone, which the "
+          "search exceeds: this ε is the one that holds")
+  if out.seeded:
+    text += "; the randomness came from a user seed, so it holds only while that seed is secret"
+  return text + "."
+
+
+def _summary(config: TrainConfig, options: TuneOptions, plan: _Plan, out: TuningResult,
+             selected_dir: str | None) -> dict:
+  """The contents of tuning.json."""
+  summary = {
+      "optimizer": config.optimizer,
+      "learning_rate": out.candidate,
+      "score": out.score,
+      "epsilon": out.epsilon,
+      "delta": out.delta,
+      "target_epsilon": config.epsilon,
+      "guarantee": _guarantee(out),
+      "seeded": out.seeded,
+      "learning_rates": list(options.learning_rates),
+      "distribution": _distribution_json(options.distribution),
+      "validation_size": options.validation_size,
+      "score_std": options.score_std,
+      "noise_multiplier": plan.run.noise_multiplier,
+      "sampling_rate": plan.run.sampling_rate,
+      "steps_per_run": plan.run.steps,
+      "training_epsilon_per_run": plan.run_epsilon,
+      "selected_run": None,
+  }
+  if out.result is not None:
+    results = out.result["results"]
+    summary["selected_run"] = {
+        "dir": selected_dir, "releases": results["releases"],
+        "final_test_accuracy": results["final_test_accuracy"],
+        "best_test_accuracy": results["best_test_accuracy"],
+    }
+  if options.show_all_runs:
+    summary["nonprivate_runs"] = [
+        {"learning_rate": r.candidate, "score": r.score} for r in out.nonprivate_runs]
+  return summary
+
+
+def tune_learning_rate(config: TrainConfig, data: ImageDataset, options: TuneOptions) -> dict:
+  """Selects a learning rate privately; writes and returns the summary (see the module doc).
+
+  ``config`` holds the trainer settings shared by every run; its ``epsilon``
+  and ``delta`` are the target of the WHOLE procedure, its ``output_dir``
+  receives ``tuning.json`` and ``selected_run/``. Its ``learning_rate``,
+  ``seed`` and ``noise_multiplier`` are set per run.
+  """
+  train_part, val_x, val_y = holdout(data, options.validation_size)
+  plan = _plan(config, train_part, options)
+  selected_dir = os.path.join(config.output_dir, SELECTED_DIR)
+  summary_path = os.path.join(config.output_dir, SUMMARY_FILE)
+  if os.path.exists(summary_path) or os.path.exists(selected_dir):
+    raise TrainingError(f"{config.output_dir} already holds a tuning run; choose another "
+                        "--output-dir.")
+  os.makedirs(config.output_dir, exist_ok=True)
+  runs_dir = tempfile.mkdtemp(prefix=".tuning-runs-", dir=config.output_dir)
+  try:
+    out = private_tune(
+        _train_fn(config, train_part, (val_x, val_y), plan, runs_dir), options.learning_rates,
+        run=plan.run, distribution=options.distribution, score=plan.score,
+        target_delta=config.delta, seed=options.seed,
+        discard=lambda result: shutil.rmtree(result["dir"], ignore_errors=True))
+    if out.result is not None:
+      os.replace(out.result["dir"], selected_dir)
+  finally:
+    shutil.rmtree(runs_dir, ignore_errors=True)
+  summary = _summary(config, options, plan, out, selected_dir if out.result else None)
+  with open(summary_path, "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
