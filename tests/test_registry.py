@@ -108,7 +108,7 @@ def test_paper_presets():
   assert registry.preset("dp_sgd") == (0.3, {"momentum": 0.9})
   assert registry.preset("dp_muon").learning_rate == 0.02
   assert registry.preset("dp_muon_s").learning_rate == 0.3
-  assert registry.preset("dp_disk_sgd") == (0.01, {"kappa": 1.5, "gamma": -1.0})
+  assert registry.preset("dp_disk_sgd") == (1.0, {"kappa": 1.5, "gamma": -1.0})
   assert registry.preset("dp_doppler_sgd").learning_rate == 3.0
   assert registry.preset("dp_muon_im").kwargs == {"history": 1, "decay": 0.5}
   assert registry.preset("dp_muon", registry.CIFAR100).learning_rate == 0.1

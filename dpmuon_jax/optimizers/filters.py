@@ -37,6 +37,15 @@ the option ``composition``:
 Paper 1's learning rates (Table 15): DiSK-SGD 0.01 (κ = 1.5),
 DOPPLER-SGD 3.0 (EMA 0.9), DOPPLER-Muon 0.02; DiSK-Muon's is not printed
 (0.02, DP-Muon's, is the natural start).
+
+DiSK-SGD's 0.01 does not carry over as η. It is the DiSK authors' command-line
+default (KalmanDP ``init_utils.py``: lr 0.01, κ = 1.5, γ = −1), and their
+``KFOptimizer.step`` divides the filtered gradient by its global L2 norm
+before the base SGD, so there 0.01 is the LENGTH of every step. Here, as in
+DiSK's algorithm (§3), θ ← θ − ηg_t with g_t unnormalised; the filter passes a
+constant gradient unchanged (DC gain κ/(1 − (1−κ)) = 1), so η is on plain
+SGD's scale: about 1, 100× the authors' default (the registry's preset, with
+its evidence).
 """
 
 from __future__ import annotations
@@ -126,7 +135,9 @@ def disk_sgd(
 ) -> optax.GradientTransformation:
   """DiSK-SGD's post-processing (DiSK §3): g_t = (1−κ)g_{t−1} + κG̃_t, θ ← θ − ηg_t.
 
-  The applied update d_t is recorded last, for DiSK's next query.
+  g_t is not normalised (the DiSK authors' code divides it by its global norm;
+  see the module docstring), so η is on plain SGD's scale. The applied update
+  d_t = −ηg_t is recorded last, for DiSK's next query.
   """
   checks.check_learning_rate("learning_rate", learning_rate)
   return optax.chain(kalman_filter(kappa), optax.sgd(learning_rate), record_applied_update())
@@ -227,7 +238,9 @@ def dp_disk_sgd(
   """DiSK-SGD (DiSK §3): DiSK's query and release, then :func:`disk_sgd`.
 
   Args:
-    learning_rate: η (paper 1: 0.01 with κ = 1.5).
+    learning_rate: η on the unnormalised g_t, plain SGD's scale (the small
+      CNN on CIFAR-10 learns for η in [0.3, 3]; paper 1's 0.01 is a
+      normalised step length, see the module docstring).
     l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring:
       the release, see :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`.
     **options: ``kappa``, ``gamma``: DiSK's κ in (0, 2] and γ, any real;

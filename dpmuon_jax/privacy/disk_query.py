@@ -55,11 +55,15 @@ DISK_PRESETS: dict[str, DiskPreset] = {
     # Paper 1's "Kalman (κ = 1.5)" (Table 15; paper 1 is "Spectral Gradient Orthogonalization
     # Improves Differentially Private Training at Scale") with γ INFERRED, since paper 1 gives
     # none: the DiSK authors' CLI defaults (KalmanDP init_utils.py, κ = 1.5, γ = −1). Then
-    # q_i = (2/3)∇ℓ(θ_t) + (1/3)∇ℓ(θ_{t−1}) and g_t = 1.5 G̃_t − 0.5 g_{t−1}.
+    # q_i = (2/3)∇ℓ(θ_t) + (1/3)∇ℓ(θ_{t−1}) and g_t = 1.5 G̃_t − 0.5 g_{t−1}. To first order
+    # q_i = ∇ℓ(θ_t) − (1/3)H d_t, as with their code's older reading of γ ≤ 0 as
+    # γ = (1−κ)/κ = −1/3 (the one point θ_t − d_t/3). Their lr 0.01 is a normalised step
+    # length, not DiSK-SGD's η (see dpmuon_jax.optimizers.filters).
     "paper1": DiskPreset(1.5, -1.0),
     # Paper 2's KF baseline (App. C): κ = 0.5, "extrapolation coefficient 0.8", read as γ = 0.8.
     "paper2": DiskPreset(0.5, 0.8),
 }
+"""DiSK's (κ, γ) by name: the DiSK paper's defaults, paper 1's and paper 2's Kalman baselines."""
 
 
 def disk_weight(kappa: float, gamma: float) -> float:
