@@ -18,15 +18,18 @@ in exactly one row of the padded batch, and the rows are partitioned among the
 devices, so no example enters a step twice. Padding rows (mask False) may land
 on any device; they contribute zero wherever they are.
 
-Several hosts (tested single-host only): call ``jax.distributed.initialize()``
-on every host, build the mesh over ``jax.devices()`` (all hosts' devices), and
-give every host the SAME root key (e.g. ``--seed`` or a root broadcast from
-host 0). Each host then draws the same Poisson sample (the sampler depends only
-on the root's sampling stream and t), gathers the rows of its own devices'
-shards, and assembles the global batch with
-``jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows)``;
-the release's key is the same replicated value on every host, so every host
-adds the same noise.
+Several processes (:mod:`dpmuon_jax.distributed.multihost`; tested with 2
+processes × 4 simulated CPU devices on one machine, gloo collectives): every
+process calls ``jax.distributed.initialize``, builds the mesh over
+``jax.devices()`` (all processes' devices) and holds the SAME root key
+(:func:`~dpmuon_jax.distributed.multihost.agree_on_root`). Each process then
+draws the same Poisson sample (the sampler depends only on the root's sampling
+stream and t) and builds the same padded batch, and :func:`shard_batch` gives
+each of its devices only that device's rows
+(``jax.make_array_from_callback``): the processes' rows are disjoint and
+together they are the padded batch (:func:`process_rows`). The release's key
+is the same replicated value on every process, so every device adds the same
+noise to the same global sum.
 """
 
 from __future__ import annotations
@@ -80,8 +83,30 @@ def sharded_capacity(
   return default_capacity(dataset_size, sampling_rate, math.lcm(multiple, 8))
 
 
+def process_rows(mesh: Mesh, rows: int) -> np.ndarray:
+  """The rows of a ``rows``-row batch that THIS process's devices hold, in device order.
+
+  With one process, all of ``0..rows-1``; with several, the processes' row sets
+  are disjoint and their union is every row.
+  """
+  index_map = batch_sharding(mesh).addressable_devices_indices_map((rows,))
+  everything = np.arange(rows)
+  return np.concatenate([everything[index[0]]  # pyright: ignore[reportOptionalSubscript]
+                         for index in index_map.values()])  # (a row slice, never None)
+
+
+def _from_host(sharding: NamedSharding, host: np.ndarray) -> jax.Array:
+  """A global array of which this process places only its own devices' slices."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_batch(mesh: Mesh, batch: PyTree, mask) -> tuple[PyTree, jax.Array]:
-  """Places a padded batch and its mask with rows split over the devices (single host)."""
+  """Places a padded batch and its mask with rows split over the devices.
+
+  With several processes, every process passes the same whole padded batch
+  (the same sample) and feeds its own devices only their rows; no row is fed
+  by two processes.
+  """
   num_devices = mesh.shape[DATA_AXIS]
   rows = np.shape(mask)[0]
   if rows % num_devices:
@@ -90,4 +115,7 @@ def shard_batch(mesh: Mesh, batch: PyTree, mask) -> tuple[PyTree, jax.Array]:
         "use sharded_capacity() for the sampler's capacity."
     )
   sharding = batch_sharding(mesh)
-  return jax.device_put((batch, jnp.asarray(mask, jnp.bool_)), sharding)
+  if not mesh.is_multi_process:
+    return jax.device_put((batch, jnp.asarray(mask, jnp.bool_)), sharding)
+  host = jax.tree.map(np.asarray, (batch, np.asarray(mask, np.bool_)))
+  return jax.tree.map(lambda x: _from_host(sharding, x), host)

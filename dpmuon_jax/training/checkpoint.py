@@ -67,11 +67,25 @@ class DamagedCheckpointError(OSError):
   """No intact checkpoint is left (or a requested step is damaged); one line."""
 
 
+def _this_process_only() -> dict:
+  """With several JAX processes, orbax options for a manager of this process alone.
+
+  Process 0 writes the checkpoints (of host copies of the replicated state)
+  and every process reads them on its own, so no manager waits for the others.
+  """
+  if jax.process_count() == 1:
+    return {}
+  me = jax.process_index()
+  return {"multiprocessing_options": ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me})}
+
+
 def _manager(directory: str, max_to_keep: int = MAX_TO_KEEP) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
-      create=True,
+      create=jax.process_count() == 1,  # several processes: save_checkpoint makes it
       file_options=ocp.options.FileOptions(path_permission_mode=PRIVATE_DIR_MODE),
+      **_this_process_only(),
   )
   return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
@@ -80,7 +94,7 @@ def _untyped_reader(directory: str) -> ocp.CheckpointManager:
   """Reads items without a target structure (parameters as nested dicts of numpy)."""
   return ocp.CheckpointManager(
       os.path.abspath(directory),
-      options=ocp.CheckpointManagerOptions(create=False),
+      options=ocp.CheckpointManagerOptions(create=False, **_this_process_only()),
       item_handlers={
           "state": ocp.PyTreeCheckpointHandler(),
           "metadata": ocp.JsonCheckpointHandler(),
@@ -178,9 +192,13 @@ def save_checkpoint(directory: str, ckpt: TrainingCheckpoint) -> None:
 
   An existing step of the same number (e.g. a damaged one that a resumed run
   reaches again) is replaced. The step's SHA-256 manifest is written last.
+  With several JAX processes, call it on one of them (process 0): the state
+  must be replicated, and is saved from this process's host copy.
   """
   directory = make_private_dir(directory)
   state = {"params": ckpt.params, "opt_state": ckpt.opt_state}
+  if jax.process_count() > 1:
+    state = jax.tree.map(np.asarray, state)
   with private_umask():
     with _manager(directory) as manager:
       if ckpt.step in manager.all_steps():
