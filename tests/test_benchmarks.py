@@ -17,6 +17,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE_RUNS = {
     "bench_release.py": ["--quick"],
     "bench_filters.py": ["--quick"],
+    "bench_ghost.py": ["--quick"],
     "bench_inner_momentum.py": ["--quick"],
     "bench_secure_noise.py": ["--dims", "1000", "--repeats", "1", "--step-batch", "16"],
     "bench_spectral.py": ["--repeats", "1", "--batch-size", "64", "--microbatch", "32",

@@ -125,7 +125,7 @@ class Clipping:
 
   def grid_sensitivity(self, dim: int) -> float:
     """L2 sensitivity of one rounded clipped query in grid units: 2ᵏ + √d/2."""
-    return 2.0**self.grid_bits + math.sqrt(dim) / 2
+    return 2.0**self.grid_bits + math.sqrt(dim) / 2  # pyright: ignore[reportOperatorIssue]
 
   def matches(self, other: Clipping) -> bool:
     """Whether ``other`` is the same rule (layer weights compared by value)."""
@@ -167,6 +167,30 @@ class Clipping:
       is_clipped = factor < 1.0
     clipped = _zero_if_nonfinite(clipped, finite)
     return ClippedExample(clipped, norm, is_clipped & finite, finite)
+
+  def factors(self, leaf_sq_norms: PyTree) -> ClippedExample:
+    """The factors :meth:`clip` would apply, from ONE example's per-leaf ‖g_l‖² alone.
+
+    For clipping without materialising g (ghost clipping: Li et al. 2021,
+    "Large Language Models Can Be Strong Differentially Private Learners",
+    §4): ``clipped`` holds, per leaf, the scalar f_l with ḡ_l = f_l · g_l —
+    one f = factor(‖g‖, C) for all leaves (flat), or factor(‖g_l‖, C_l) per
+    leaf (per-layer), and 0 everywhere when ‖g‖ is not finite. Same rule and
+    the same float32 norms as :meth:`clip`, so ‖ḡ‖ ≤ C as there.
+    """
+    sq = _as_float32(leaf_sq_norms)
+    norm = jnp.sqrt(sum(jax.tree.leaves(sq)))
+    finite = jnp.isfinite(norm)
+    if self.per_layer:
+      factors = jax.tree.map(
+          lambda s, c: self._factor(jnp.sqrt(s), c), sq, self.layer_thresholds(sq))
+      is_clipped = jnp.any(jnp.stack([f < 1.0 for f in jax.tree.leaves(factors)]))
+    else:
+      factor = self._factor(norm, self.l2_clip_norm)
+      factors = jax.tree.map(lambda _: factor, sq)
+      is_clipped = factor < 1.0
+    factors = _zero_if_nonfinite(factors, finite)
+    return ClippedExample(factors, norm, is_clipped & finite, finite)
 
 
 def flat_clipping(l2_clip_norm: float) -> Clipping:

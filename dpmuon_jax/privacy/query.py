@@ -29,7 +29,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping, round_to_grid, zeros_grid_sum
+from dpmuon_jax.privacy.clipping import (
+    ClippedExample,
+    Clipping,
+    as_clipping,
+    round_to_grid,
+    zeros_grid_sum,
+)
 
 PyTree = Any
 QueryFn = Callable[[PyTree, PyTree], PyTree]
@@ -82,7 +88,8 @@ class ClippedSum:
   """S = Σ_i clip_C(q_i) with its L2 sensitivity C attached as static data.
 
   Only the library's clipping code makes one (:func:`clip_and_sum`,
-  :func:`clipped_sum`, :func:`zeros_clipped_sum`, and sums of those); calling
+  :func:`clipped_sum`, :func:`zeros_clipped_sum`,
+  :func:`clipped_sum_from_norms` for ghost clipping, and sums of those); calling
   ``ClippedSum(...)`` directly raises ``TypeError``, so a summed, unclipped
   gradient can never be released by accident as if it were clipped. The
   Gaussian release accepts a ``ClippedSum`` only when its sensitivity is the
@@ -147,7 +154,7 @@ class ClippedSum:
     s = self.stats
     total = jax.lax.psum(self.total, axis_name)
     summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), axis_name)
-    stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))
+    stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))  # pyright: ignore[reportCallIssue]
     return ClippedSum(total, self.l2_sensitivity, stats, _origin=_FROM_CLIPPING,
                       grid_bits=self.grid_bits)
 
@@ -239,8 +246,9 @@ def clip_and_sum(
   if clipping.grid_bits is None:
     total = jax.tree.map(lambda c: jnp.tensordot(weight, c, axes=1), clipped.clipped)
   else:
+    bits = clipping.grid_bits
     total = jax.tree.map(
-        lambda c: round_to_grid(c, mask, clipping.grid_bits, clipping.l2_clip_norm),
+        lambda c: round_to_grid(c, mask, bits, clipping.l2_clip_norm),
         clipped.clipped,
     )
   real_finite = mask & clipped.is_finite
@@ -253,6 +261,49 @@ def clip_and_sum(
   )
   return ClippedSum(total, clipping.l2_clip_norm, stats, _origin=_FROM_CLIPPING,
                     grid_bits=clipping.grid_bits)
+
+
+def _stats(mask: jax.Array, clipped: ClippedExample) -> ClipStats:
+  real_finite = mask & clipped.is_finite
+  return ClipStats(
+      num_examples=jnp.sum(mask.astype(jnp.float32)),
+      num_clipped=jnp.sum(mask & clipped.is_clipped).astype(jnp.float32),
+      num_nonfinite=jnp.sum(mask & ~clipped.is_finite).astype(jnp.float32),
+      norm_sum=jnp.sum(jnp.where(real_finite, clipped.norm, 0.0)),
+      norm_max=jnp.max(jnp.where(real_finite, clipped.norm, 0.0), initial=0.0),
+  )
+
+
+def clipped_sum_from_norms(
+    leaf_sq_norms: PyTree,
+    mask: jax.Array | None,
+    clipping: Clipping | float,
+    weighted_sum: Callable[[PyTree, jax.Array], PyTree],
+) -> ClippedSum:
+  """Σ_i mask_i · clip_C(q_i) for queries known through their norms (ghost clipping).
+
+  ``leaf_sq_norms`` has the query's structure with (B,) leaves ‖q_{i,l}‖²; the
+  factors are :meth:`Clipping.factors` (the rule :func:`clip_and_sum`
+  applies). ``weighted_sum(factors, keep)`` returns Σ_i factors_{i,l} · q_{i,l}
+  per leaf over the rows where ``keep`` (real and finite) is True; factors are
+  0 elsewhere. Its caller vouches that those q_i are the vectors whose norms
+  were given, as :func:`clip_and_sum`'s caller vouches for its rows. No grid
+  (secure-noise) mode: it rounds every clipped query, so it needs them.
+  """
+  clipping = as_clipping(clipping)
+  if clipping.grid_bits is not None:
+    raise ValueError("Clipping from norms cannot round each clipped query to the grid "
+                     "(grid_bits); use clipped_sum.")
+  mask = _default_mask(_batch_size(leaf_sq_norms), mask)
+  scaled = jax.vmap(clipping.factors)(leaf_sq_norms)
+  keep = mask & scaled.is_finite
+  factors = jax.tree.map(lambda f: jnp.where(keep, f, 0.0), scaled.clipped)
+  total = _as_float32_tree(weighted_sum(factors, keep))
+  return ClippedSum(total, clipping.l2_clip_norm, _stats(mask, scaled), _origin=_FROM_CLIPPING)
+
+
+def _as_float32_tree(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
 def clipped_sum(

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dpmuon_jax.distributed.mesh import DATA_AXIS, replicated
 from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.ghost import select_clipped_sum
 from dpmuon_jax.privacy.query import (
     GRADIENT_QUERY,
     ClippedSum,
@@ -98,6 +99,7 @@ def make_private_step(
     clipping: Clipping | None = None,
     microbatch_size: int | None = None,
     mesh: Mesh | None = None,
+    clipped_sum_method: str = "vmap",
 ) -> PrivateStep:
   """Builds the jitted private step for a ``dp_*`` optimizer, on one device or a mesh.
 
@@ -121,6 +123,12 @@ def make_private_step(
       and added to the global sum. The padded batch's rows must be a multiple
       of the device count (and of ``n_devices·microbatch_size``): see
       :func:`~dpmuon_jax.distributed.mesh.sharded_capacity`.
+    clipped_sum_method: ``"vmap"`` (per-example gradients), ``"ghost"``
+      (ghost norms and book-keeping, no per-example gradients; same sum and
+      sensitivity: :func:`~dpmuon_jax.privacy.ghost.ghost_clipped_sum`) or
+      ``"automatic"`` (ghost when every matrix is tapped). Ghost needs
+      ``loss_fn`` and the gradient query; build the model with
+      :func:`~dpmuon_jax.models.taps.tapped` to profit from it.
   """
   if not isinstance(optimizer, PrivateTransformation):
     raise TypeError("make_private_step needs a private optimizer (a dp_* transformation).")
@@ -129,8 +137,13 @@ def make_private_step(
   if mesh is not None and optimizer.release.secure_noise:
     raise ValueError("secure_noise draws its noise on the host of a single device; use one device.")
 
-  def local_sum(inputs, batch, mask) -> ClippedSum:
+  def vmap_sum(inputs, batch, mask) -> ClippedSum:
     return clipped_sum(query, inputs, batch, mask, clipping, microbatch_size)
+
+  local_sum = select_clipped_sum(
+      clipped_sum_method, vmap_sum, loss_fn,
+      optimizer.query is GRADIENT_QUERY,  # with loss_fn given, query was not
+      clipping, microbatch_size)
 
   summed = local_sum if mesh is None else _sum_over_mesh(local_sum, mesh)
 
@@ -140,11 +153,12 @@ def make_private_step(
   def step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
     total = chunk_sum(params, opt_state, batch, mask) + overflow
     # Replicated from here on: ONE noise draw from the release's key, on the global sum.
-    updates, opt_state = optimizer.update(total, opt_state, params)
+    updates, opt_state = optimizer.update(  # the release takes the ClippedSum
+        total, opt_state, params)  # pyright: ignore[reportArgumentType]
     return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
 
   def empty_overflow(params) -> ClippedSum:
     return zeros_clipped_sum(params, clipping)
 
-  out = {} if mesh is None else {"out_shardings": replicated(mesh)}
+  out: dict[str, Any] = {} if mesh is None else {"out_shardings": replicated(mesh)}
   return PrivateStep(jax.jit(step, **out), jax.jit(chunk_sum, **out), empty_overflow)

@@ -1,0 +1,541 @@
+"""Ghost clipping: the clipped sum of per-example gradients without per-example gradients.
+
+The same sum S = Σ_i mask_i · clip_C(∇ℓ_i(θ)) as :func:`~dpmuon_jax.privacy.query.clipped_sum`
+with :func:`~dpmuon_jax.privacy.query.gradient_query`, from ONE forward and ONE
+backward pass of the batch (Li et al. 2021, "Large Language Models Can Be
+Strong Differentially Private Learners", §4, ghost clipping; Bu et al. 2023,
+"Differentially Private Optimization on Large Model at Small Cost", §3,
+book-keeping).
+
+Layers that use a parameter as ``y = a · W`` (dense, patch convolution,
+embedding lookup, tied head) report each use to the active *tape* with
+:func:`tap`: the tape records the input a and adds a zero perturbation z to the
+output y. The gradient of Σ_i ℓ_i w.r.t. z is every example's output gradient
+g = ∂ℓ_i/∂y (examples are independent). One use contributes the per-example
+gradient G = Σ_t a_t g_tᵀ = Aᵀ G_out (rows t = positions), and
+
+    ‖Aᵀ G_out‖_F² = Σ_{t,s} (a_t·a_s)(g_t·g_s)                  (the T×T Gram trick)
+
+computed from the Grams when T² ≤ d_in·d_out, else from AᵀG_out directly (Li
+et al., §4). A bias is the use with a_t = 1; an embedding lookup has
+a_t = onehot(x_t), so a_t·a_s = [x_t = x_s]; the tied head ``h · Eᵀ``
+contributes Zᵀ H to the table E (Z: the logit gradients). A parameter with
+several uses has G = Σ_u G_u and ‖G‖² = Σ_{u,v} ⟨G_u, G_v⟩, each a sum of
+products of cross Grams (for the tied embedding, ⟨onehot(x)ᵀE_out, ZᵀH⟩ =
+Σ_{t,s} Z[s, x_t] (e_t·h_s)). Every parameter no tap reports (norm scales and
+biases, anything in an untapped layer) gets its exact per-example gradient,
+through a zero per-example copy of that parameter only.
+
+The clip factors f_i come from :meth:`~dpmuon_jax.privacy.clipping.Clipping.factors`
+(flat, per-layer or automatic clipping; the secure-noise grid is refused), and
+S is assembled by book-keeping from the SAME factors whose norms were taken:
+Σ_i f_i G_{i,u} = (f ⊙ A)ᵀ G_out per use. Each example's contribution is
+therefore f_i · (the vector whose norm was computed), of norm ≤ C, whatever the
+taps saw: a use of a parameter that no tap reports would make the sum differ
+from the gradient, never exceed the sensitivity (the tests check both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.inner_momentum import (
+    InnerMomentumInputs,
+    MuonGroup,
+    inner_momentum_settings,
+    inner_momentum_weights,
+)
+from dpmuon_jax.privacy.query import (
+    ClippedSum,
+    LossFn,
+    add_batch_axis,
+    clipped_sum_from_norms,
+    zeros_clipped_sum,
+)
+
+PyTree = Any
+Path = tuple[Any, ...]
+KINDS = ("dense", "embed", "attend")
+
+
+class Site(NamedTuple):
+  """One tapped use: ``kind`` and the paths of the parameters it uses.
+
+  ``dense``: y = a · K (+ b), params (kernel path, bias path or None), a the
+  (…, d_in) input, K reshaped to (d_in, d_out) (a patch convolution's kernel
+  ``(*window, C_in, C_out)`` with a its image patches). ``embed``: y = E[x],
+  params (table path,), a the integer ids. ``attend``: y = h · Eᵀ, params
+  (table path,), a = h.
+  """
+
+  kind: str
+  params: tuple[Path | None, ...]
+
+
+class _Tape:
+  """Records the tapped uses of one trace; ``taps is None`` only discovers them."""
+
+  def __init__(self, taps: dict[str, jax.Array] | None):
+    self.taps = taps
+    self.sites: dict[str, Site] = {}
+    self.inputs: dict[str, jax.Array] = {}
+    self.outputs: dict[str, jax.ShapeDtypeStruct] = {}
+
+  def record(self, site: Site, inputs: jax.Array, output: jax.Array) -> jax.Array:
+    stem = f"{site.kind}:{'/'.join(map(str, site.params[0] or ()))}"
+    name = f"{stem}#{sum(key.startswith(stem + '#') for key in self.sites)}"
+    self.sites[name] = site
+    self.inputs[name] = inputs
+    if self.taps is None:
+      self.outputs[name] = jax.ShapeDtypeStruct(jnp.shape(output), jnp.result_type(output))
+      return output
+    return output + self.taps[name]
+
+
+_ACTIVE: list[_Tape] = []
+
+
+@contextlib.contextmanager
+def _recording(tape: _Tape) -> Iterator[_Tape]:
+  _ACTIVE.append(tape)
+  try:
+    yield tape
+  finally:
+    _ACTIVE.pop()
+
+
+def tap(kind: str, params: tuple[Path | None, ...], inputs: jax.Array, output: jax.Array
+        ) -> jax.Array:
+  """Reports one use of ``params`` (see :class:`Site`) and returns its output.
+
+  Outside a ghost computation this is the identity on ``output``; inside, it
+  records ``inputs`` and adds the zero perturbation whose gradient is ∂ℓ_i/∂y.
+  Tapped layers call it at trace time (:mod:`dpmuon_jax.models.taps`).
+  """
+  if kind not in KINDS:
+    raise ValueError(f"tap kind must be one of {KINDS}, got {kind!r}.")
+  if not _ACTIVE:
+    return output
+  return _ACTIVE[-1].record(Site(kind, tuple(params)), inputs, output)
+
+
+# ------------------------------------------------------------------ parameters by path
+
+
+def _key(entry: Any) -> Any:
+  for attr in ("key", "idx", "name"):
+    if hasattr(entry, attr):
+      return getattr(entry, attr)
+  raise TypeError(f"Unsupported pytree path entry {entry!r}.")
+
+
+def _flat_params(params: PyTree) -> tuple[dict[Path, jax.Array], Any]:
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return {tuple(_key(e) for e in path): leaf for path, leaf in leaves}, treedef
+
+
+def _name(path: Path) -> str:
+  return "/".join(map(str, path))
+
+
+class GhostCoverage(NamedTuple):
+  """Which parameters get ghost norms and which exact per-example gradients."""
+
+  ghost: tuple[Path, ...]
+  exact: tuple[Path, ...]
+
+
+def _per_example_loss(loss_fn: LossFn, flat: dict[Path, jax.Array], treedef: Any):
+  """(taps, deltas, example) -> (ℓ(θ + δ; x), recorded inputs), one example, under a tape."""
+  paths = list(flat)
+
+  def run(taps, deltas, example, tape: _Tape | None = None):
+    tape = _Tape(taps) if tape is None else tape
+    leaves = [flat[p] + deltas[_name(p)] if _name(p) in deltas else flat[p] for p in paths]
+    with _recording(tape):
+      loss = loss_fn(jax.tree_util.tree_unflatten(treedef, leaves), add_batch_axis(example))
+    return jnp.asarray(loss, jnp.float32), tape.inputs
+
+  return run
+
+
+def _discover(loss_fn: LossFn, params: PyTree, example: PyTree) -> _Tape:
+  flat, treedef = _flat_params(params)
+  tape = _Tape(None)
+  jax.eval_shape(lambda p, ex: _per_example_loss(loss_fn, flat, treedef)({}, {}, ex, tape)[0],
+                 params, example)
+  tape.inputs = {}
+  unknown = {p for s in tape.sites.values() for p in s.params if p is not None} - set(flat)
+  if unknown:
+    raise ValueError(f"Tapped layers name parameters missing from params: {sorted(unknown)}.")
+  return tape
+
+
+def ghost_coverage(loss_fn: LossFn, params: PyTree, example: PyTree) -> GhostCoverage:
+  """The parameters that tapped layers cover, and the others (exact per-example gradients).
+
+  ``example`` is one example (no batch axis).
+  """
+  flat, _ = _flat_params(params)
+  covered = {p for s in _discover(loss_fn, params, example).sites.values() for p in s.params}
+  return GhostCoverage(tuple(p for p in flat if p in covered),
+                       tuple(p for p in flat if p not in covered))
+
+
+# ------------------------------------------------------------------ factors and their norms
+
+
+class Factor(NamedTuple):
+  """One use's per-example gradient G_i = reshape(L_iᵀ R_i), batched over examples.
+
+  ``left`` (B, N, p) floats, or (B, N) ints standing for onehot rows of width
+  ``width`` (an embedding lookup); ``right`` (B, N, q).
+  """
+
+  left: jax.Array
+  right: jax.Array
+  width: int
+
+
+def _rows(x: jax.Array, batch: int, features: bool = True) -> jax.Array:
+  return x.reshape((batch, -1, x.shape[-1]) if features else (batch, -1))
+
+
+def _path(path: Path | None) -> Path:
+  if path is None:
+    raise ValueError("A tapped use needs the path of its weight.")
+  return path
+
+
+def _site_factors(site: Site, inputs: jax.Array, grad: jax.Array, shapes: dict[Path, tuple]
+                  ) -> list[tuple[Path, Factor]]:
+  """The (parameter, factor) pairs of one tapped use, from its input and output gradient."""
+  b = grad.shape[0]
+  g = _rows(grad.astype(jnp.float32), b)
+  weight = _path(site.params[0])
+  if site.kind == "embed":
+    return [(weight, Factor(_rows(inputs, b, features=False), g, shapes[weight][0]))]
+  a = _rows(inputs.astype(jnp.float32), b)
+  if site.kind == "attend":
+    return [(weight, Factor(g, a, g.shape[-1]))]
+  out = [(weight, Factor(a, g, a.shape[-1]))]
+  if len(site.params) > 1 and site.params[1] is not None:
+    out.append((site.params[1], Factor(jnp.ones(g.shape[:2] + (1,), jnp.float32), g, 1)))
+  return out
+
+
+def _is_ids(f: Factor) -> bool:
+  return f.left.ndim == 2
+
+
+def _left_gram(u: Factor, v: Factor) -> jax.Array:
+  """(B, N_u, N_v) inner products of the left rows (onehot rows stay implicit)."""
+  if _is_ids(u) and _is_ids(v):
+    return (u.left[:, :, None] == v.left[:, None, :]).astype(jnp.float32)
+  if _is_ids(u):  # onehot(x_t) · l_s = l_s[x_t]
+    return jax.vmap(lambda ids, dense: jnp.take(dense, ids, axis=1).T)(u.left, v.left)
+  if _is_ids(v):
+    return jnp.swapaxes(_left_gram(v, u), 1, 2)
+  return jnp.einsum("bnp,bmp->bnm", u.left, v.left)
+
+
+def _pair(u: Factor, v: Factor) -> jax.Array:
+  """⟨G_u, G_v⟩ per example = Σ_{t,s} (l_t·l_s)(r_t·r_s)."""
+  right = jnp.einsum("bnq,bmq->bnm", u.right, v.right)
+  return jnp.sum(_left_gram(u, v) * right, axis=(1, 2))
+
+
+def _dense_grad(f: Factor) -> jax.Array:
+  return jnp.einsum("bnp,bnq->bpq", f.left, f.right)
+
+
+def _stacked(uses: list[Factor]) -> list[Factor]:
+  """The uses of one parameter with rows stacked, Σ_u L_uᵀR_u = [L_1; L_2; …]ᵀ[R_1; R_2; …]:
+  one factor of dense rows and one of onehot rows (at most two)."""
+  if len({(f.width, f.right.shape[-1]) for f in uses}) != 1:
+    raise ValueError("All uses of one parameter must have the same (d_in, d_out) layout.")
+  out = []
+  for group in ([f for f in uses if not _is_ids(f)], [f for f in uses if _is_ids(f)]):
+    if group:
+      out.append(Factor(jnp.concatenate([f.left for f in group], axis=1),
+                        jnp.concatenate([f.right for f in group], axis=1), group[0].width))
+  return out
+
+
+def factor_sq_norm(uses: list[Factor]) -> jax.Array:
+  """‖Σ_u G_u‖_F² per example, (B,): Σ over pairs of stacked factors of their Gram
+  products, or ‖LᵀR‖² directly for dense rows only with N² > p·q (Li et al., §4)."""
+  stacked = _stacked(uses)
+  if len(stacked) == 1 and not _is_ids(stacked[0]):
+    (f,) = stacked
+    if f.left.shape[1] ** 2 > f.left.shape[2] * f.right.shape[2]:
+      return jnp.sum(jnp.square(_dense_grad(f)), axis=(1, 2))
+  total = sum(_pair(u, u) for u in stacked)
+  if len(stacked) == 2:
+    total = total + 2.0 * _pair(*stacked)
+  return jnp.asarray(total)
+
+
+def _keep_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
+  return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+
+
+def factor_weighted_sum(uses: list[Factor], weights: jax.Array, keep: jax.Array,
+                        shape: tuple[int, ...]) -> jax.Array:
+  """Σ_i w_i Σ_u G_{i,u} over rows with ``keep``, reshaped to the parameter's ``shape``."""
+  total = jnp.zeros((uses[0].width, uses[0].right.shape[-1]), jnp.float32)
+  w = weights[:, None, None]
+  for f in _stacked(uses):
+    q = f.right.shape[-1]
+    if _is_ids(f):
+      right = (_keep_rows(f.right, keep) * w).reshape(-1, q)
+      total = total.at[f.left.reshape(-1)].add(right, mode="drop")
+    else:  # weight the narrower factor; one (B·N, p)ᵀ(B·N, q) matmul
+      left, right = _keep_rows(f.left, keep), _keep_rows(f.right, keep)
+      left, right = (left * w, right) if left.shape[-1] <= q else (left, right * w)
+      total = total + left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, q)
+  return total.reshape(shape)
+
+
+# ------------------------------------------------------------------ the clipped sum
+
+
+def _pass(loss_fn: LossFn, params: PyTree, batch: PyTree, tape: _Tape):
+  """One forward and one backward: (per-use factors by parameter, exact per-example grads)."""
+  flat, treedef = _flat_params(params)
+  covered = {p for s in tape.sites.values() for p in s.params if p is not None}
+  b = jax.tree.leaves(batch)[0].shape[0]
+  taps = {k: jnp.zeros((b,) + o.shape, o.dtype) for k, o in tape.outputs.items()}
+  deltas = {_name(p): jnp.zeros((b,) + v.shape, v.dtype) for p, v in flat.items()
+            if p not in covered}
+  run = _per_example_loss(loss_fn, flat, treedef)
+
+  def total(taps, deltas):
+    losses, inputs = jax.vmap(run)(taps, deltas, batch)
+    return jnp.sum(losses), inputs
+
+  (g_taps, g_deltas), inputs = jax.grad(total, argnums=(0, 1), has_aux=True)(taps, deltas)
+  shapes = {p: jnp.shape(v) for p, v in flat.items()}
+  uses: dict[Path, list[Factor]] = {}
+  for name, site in tape.sites.items():
+    for path, factor in _site_factors(site, inputs[name], g_taps[name], shapes):
+      uses.setdefault(path, []).append(factor)
+  exact = {p: g_deltas[_name(p)].astype(jnp.float32) for p in flat if p not in uses}
+  return flat, treedef, uses, exact
+
+
+def _scaled(x: jax.Array, w: jax.Array | None) -> jax.Array:
+  # jnp.where, not a product: a zero-weight term must not turn NaN into the sum.
+  return x if w is None else jnp.where(w > 0, w * x, jnp.zeros_like(x))
+
+
+class _Terms(NamedTuple):
+  """q_i = Σ_k w_k ∇ℓ(θ_k; x_i) as factors (covered leaves) and exact gradients (the rest)."""
+
+  flat: dict[Path, jax.Array]
+  treedef: Any
+  uses: dict[Path, list[Factor]]
+  exact: dict[Path, jax.Array]
+
+
+def _collect(loss_fn: LossFn, terms: list[tuple[PyTree, PyTree | None]], batch: PyTree,
+             tape: _Tape) -> _Terms:
+  """One pass per (θ_k, w_k); w_k a pytree of scalar weights like θ, or None for 1."""
+  uses: dict[Path, list[Factor]] = {}
+  exact: dict[Path, jax.Array] = {}
+  flat, treedef = {}, None
+  for state, weights in terms:
+    flat, treedef, uses_k, exact_k = _pass(loss_fn, state, batch, tape)
+    w = _flat_params(weights)[0] if weights is not None else {}
+    for p, fs in uses_k.items():
+      uses.setdefault(p, []).extend(
+          Factor(f.left, _scaled(f.right, w.get(p)), f.width) for f in fs)
+    for p, g in exact_k.items():
+      g = _scaled(g, w.get(p))
+      exact[p] = exact[p] + g if p in exact else g
+  return _Terms(flat, treedef, uses, exact)
+
+
+def _leaf_sq_norms(t: _Terms) -> dict[Path, jax.Array]:
+  """Per-parameter ‖q_{i,l}‖², (B,) each."""
+  return {p: (factor_sq_norm(t.uses[p]) if p in t.uses
+              else jnp.sum(jnp.square(t.exact[p]), axis=tuple(range(1, t.exact[p].ndim))))
+          for p in t.flat}
+
+
+def ghost_norms(loss_fn: LossFn, params: PyTree, batch: PyTree) -> jax.Array:
+  """‖∇ℓ(θ; x_i)‖₂ per example, (B,), from ghost norms (no per-example gradient)."""
+  tape = _discover(loss_fn, params, jax.tree.map(lambda x: x[0], batch))
+  return jnp.sqrt(sum(_leaf_sq_norms(_collect(loss_fn, [(params, None)], batch, tape)).values()))
+
+
+def _terms_clipped_sum(t: _Terms, mask: jax.Array | None, clipping: Clipping | float
+                       ) -> ClippedSum:
+  as_tree = lambda d: jax.tree_util.tree_unflatten(t.treedef, [d[p] for p in t.flat])
+
+  def weighted_sum(factors: PyTree, keep: jax.Array) -> PyTree:
+    w, _ = _flat_params(factors)
+    out = {p: (factor_weighted_sum(t.uses[p], w[p], keep, jnp.shape(v)) if p in t.uses
+               else jnp.tensordot(w[p], _keep_rows(t.exact[p], keep), axes=1))
+           for p, v in t.flat.items()}
+    return as_tree(out)
+
+  return clipped_sum_from_norms(as_tree(_leaf_sq_norms(t)), mask, clipping, weighted_sum)
+
+
+def _chunked(chunk: Callable[[PyTree, jax.Array | None], ClippedSum], like: PyTree,
+             batch: PyTree, mask: jax.Array | None, clipping: Clipping | float,
+             microbatch_size: int | None) -> ClippedSum:
+  """``chunk`` on the whole batch, or summed over microbatches in a rolled scan."""
+  if as_clipping(clipping).grid_bits is not None:
+    raise ValueError("Ghost clipping never forms the clipped queries, so it cannot round them "
+                     "to the secure-noise grid (grid_bits); use the vmap path.")
+  batch_size = jax.tree.leaves(batch)[0].shape[0]
+  if microbatch_size is not None and (
+      isinstance(microbatch_size, bool) or operator.index(microbatch_size) <= 0):
+    raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}.")
+  if microbatch_size is None or microbatch_size >= batch_size:
+    return chunk(batch, mask)
+  if batch_size % microbatch_size:
+    raise ValueError(f"microbatch_size={microbatch_size} must divide the padded batch size "
+                     f"{batch_size}.")
+  if mask is None:
+    mask = jnp.ones((batch_size,), jnp.bool_)
+  n = batch_size // microbatch_size
+  chunked = jax.tree.map(lambda x: x.reshape((n, microbatch_size) + x.shape[1:]), (batch, mask))
+  step = lambda acc, c: (acc + chunk(*c), None)
+  return jax.lax.scan(step, zeros_clipped_sum(like, clipping), chunked)[0]
+
+
+def ghost_clipped_sum(
+    loss_fn: LossFn,
+    params: PyTree,
+    batch: PyTree,
+    mask: jax.Array | None,
+    clipping: Clipping | float,
+    microbatch_size: int | None = None,
+) -> ClippedSum:
+  """Σ_i mask_i · clip_C(∇ℓ(θ; x_i)) by ghost norms and book-keeping (see the module doc).
+
+  The same result (up to float rounding) and the same sensitivity C as
+  ``clipped_sum(gradient_query(loss_fn), params, batch, mask, clipping,
+  microbatch_size)``, with the same :class:`~dpmuon_jax.privacy.query.ClipStats`.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``, called (under ``vmap``) on
+      batches of one example, as by ``gradient_query``. Layers built with
+      :func:`dpmuon_jax.models.taps.tapped` get ghost norms; every other
+      parameter gets exact per-example gradients (see :func:`ghost_coverage`).
+    params, batch, mask, clipping, microbatch_size: as for ``clipped_sum``;
+      ``clipping`` must not use the secure-noise grid.
+  """
+  tape = _discover(loss_fn, params, jax.tree.map(lambda x: x[0], batch))
+  chunk = lambda b, m: _terms_clipped_sum(_collect(loss_fn, [(params, None)], b, tape), m,
+                                          clipping)
+  return _chunked(chunk, params, batch, mask, clipping, microbatch_size)
+
+
+def ghost_inner_momentum_sum(
+    loss_fn: LossFn,
+    in_muon_group: MuonGroup,
+    history: int,
+    decay: float,
+    fallback_history: int | None = None,
+    fallback_decay: float | None = None,
+) -> Callable[..., ClippedSum]:
+  """Ghost version of ``clipped_sum(grouped_inner_momentum_query(...), ...)``.
+
+  Returns ``sum_fn(inputs, batch, mask, clipping, microbatch_size=None)`` with
+  ``inputs`` an :class:`~dpmuon_jax.privacy.inner_momentum.InnerMomentumInputs`.
+  The query q_i = Σ_k w_k ∇ℓ(θ_{t−k}; x_i) (per-leaf weights of the leaf's
+  group) is clipped as ONE vector; for a dense use, its norm has the cross
+  terms between states,
+
+      ‖Σ_k w_k Σ_t a_{k,t} g_{k,t}ᵀ‖² = Σ_{k,l} w_k w_l Σ_{t,s} (a_{k,t}·a_{l,s})(g_{k,t}·g_{l,s}),
+
+  the Gram of the rows of all states stacked (w_k folded into g_k). One
+  forward and one backward per state, as the vmap query's K + 1 gradients.
+  """
+  settings = inner_momentum_settings(history, decay, fallback_history, fallback_decay)
+  slots = max(settings.history, settings.fallback_history)
+
+  def terms(inputs: InnerMomentumInputs) -> list[tuple[PyTree, PyTree]]:
+    params, past = inputs
+    weights = {
+        True: inner_momentum_weights(past.count, settings.history, settings.decay, slots),
+        False: inner_momentum_weights(past.count, settings.fallback_history,
+                                      settings.fallback_decay, slots),
+    }
+    num_slots = jax.tree.leaves(past.states)[0].shape[0] if jax.tree.leaves(past.states) else 0
+    if num_slots < slots:
+      raise ValueError(f"The parameter history has {num_slots} slots; this query needs {slots}.")
+    in_muon = in_muon_group(params)
+    out = [(params, jax.tree.map(lambda m: weights[m][0], in_muon))]
+    for k in range(1, slots + 1):
+      state = jax.tree.map(lambda h, i=(past.count - k) % num_slots: h[i], past.states)
+      out.append((state, jax.tree.map(lambda m, k=k: weights[m][k], in_muon)))
+    return out
+
+  def sum_fn(inputs: InnerMomentumInputs, batch: PyTree, mask: jax.Array | None,
+             clipping: Clipping | float, microbatch_size: int | None = None) -> ClippedSum:
+    params = inputs.params
+    tape = _discover(loss_fn, params, jax.tree.map(lambda x: x[0], batch))
+    chunk = lambda b, m: _terms_clipped_sum(_collect(loss_fn, terms(inputs), b, tape), m,
+                                            clipping)
+    return _chunked(chunk, params, batch, mask, clipping, microbatch_size)
+
+  return sum_fn
+
+
+CLIPPED_SUM_METHODS = ("vmap", "ghost", "automatic")
+"""How a private step computes its clipped sum of per-example gradients."""
+
+
+def resolve_method(method: str, loss_fn: LossFn, params: PyTree, example: PyTree) -> str:
+  """``"vmap"`` or ``"ghost"``; ``"automatic"`` picks ghost when every parameter of
+  two or more dimensions (every matrix, kernel and table) is covered by a tap."""
+  if method not in CLIPPED_SUM_METHODS:
+    raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got {method!r}.")
+  if method != "automatic":
+    return method
+  flat, _ = _flat_params(params)
+  exact = ghost_coverage(loss_fn, params, example).exact
+  return "vmap" if any(jnp.ndim(flat[p]) >= 2 for p in exact) else "ghost"
+
+
+def select_clipped_sum(
+    method: str,
+    vmap_sum: Callable[[PyTree, PyTree, jax.Array], ClippedSum],
+    loss_fn: LossFn | None,
+    is_gradient_query: bool,
+    clipping: Clipping | float,
+    microbatch_size: int | None = None,
+) -> Callable[[PyTree, PyTree, jax.Array], ClippedSum]:
+  """``(params, batch, mask) -> ClippedSum`` by ``method`` (:data:`CLIPPED_SUM_METHODS`).
+
+  ``vmap_sum`` is the ``vmap(grad)`` path. Ghost clipping computes the plain
+  gradient query of ``loss_fn`` only (``is_gradient_query``); DiSK's and inner
+  momentum's queries, or a custom query, are refused.
+  """
+  if method not in CLIPPED_SUM_METHODS:
+    raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got {method!r}.")
+  if method == "vmap":
+    return vmap_sum
+  if loss_fn is None or not is_gradient_query:
+    raise ValueError(f"clipped_sum_method={method!r} computes the gradient query of a loss_fn; "
+                     "this optimizer's query (or a custom query) needs 'vmap'.")
+
+  def local_sum(params: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+    example = jax.tree.map(lambda x: x[0], batch)
+    if resolve_method(method, loss_fn, params, example) == "vmap":
+      return vmap_sum(params, batch, mask)
+    return ghost_clipped_sum(loss_fn, params, batch, mask, clipping, microbatch_size)
+
+  return local_sum

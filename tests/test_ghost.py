@@ -1,0 +1,294 @@
+"""Ghost clipping gives the vmap path's clipped sum, norms and stats, and the same sensitivity."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpmuon_jax.models.cnn import SmallCNN
+from dpmuon_jax.models.common import classification_loss, pure_model
+from dpmuon_jax.models.taps import TappedEmbed, tapped, tapped_model
+from dpmuon_jax.optimizers import dp_sgd
+from dpmuon_jax.privacy.clipping import (
+    Clipping,
+    automatic_clipping,
+    flat_clipping,
+    flat_norm,
+    per_layer_clipping,
+)
+from dpmuon_jax.privacy.ghost import (
+    ghost_clipped_sum,
+    ghost_coverage,
+    ghost_inner_momentum_sum,
+    ghost_norms,
+    resolve_method,
+)
+from dpmuon_jax.privacy.inner_momentum import InnerMomentumInputs, grouped_inner_momentum_query
+from dpmuon_jax.privacy.query import clipped_sum, gradient_query
+from dpmuon_jax.text.gpt2 import GPT2, GPT2Config, gpt2_model, lm_loss
+from dpmuon_jax.training.step import make_private_step
+from dpmuon_jax.transforms.history import ParamHistoryState
+
+# dim 8, T = 12: the 8×8 attention matrices take the direct form (T² > 64), the
+# 8×32 MLP matrices and the embeddings the Gram form.
+CONFIG = GPT2Config(vocab_size=23, max_positions=16, dim=8, num_layers=1, num_heads=2)
+
+
+def _first(batch):
+  return jax.tree.map(lambda x: x[0], batch)
+
+
+def _vmap_norms(loss_fn, params, batch):
+  per_example = jax.vmap(gradient_query(loss_fn), in_axes=(None, 0))
+  return jax.jit(lambda p: jax.vmap(flat_norm)(per_example(p, batch)))(params)
+
+
+def _vmap_sum(loss_fn, params, batch, mask, clipping):
+  return jax.jit(lambda p: clipped_sum(gradient_query(loss_fn), p, batch, mask, clipping)
+                 )(params)
+
+
+def _ghost_sum(loss_fn, params, batch, mask, clipping, microbatch_size=None):
+  return jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clipping, microbatch_size)
+                 )(params)
+
+
+def _ghost_norms(loss_fn, params, batch):
+  return jax.jit(lambda p: ghost_norms(loss_fn, p, batch))(params)
+
+
+def _assert_trees_close(got, want, rtol=1e-4):
+  """Leafwise within rtol of the largest entry of the whole sum (some leaves are ~0)."""
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
+
+
+def _l2(a, b):
+  return float(jnp.sqrt(sum(jnp.sum(jnp.square(x - y))
+                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+  module = GPT2(CONFIG, rngs=nnx.Rngs(0))
+  apply, params = gpt2_model(tapped(module))
+  tokens = jax.random.randint(jax.random.key(1), (6, 12), 0, CONFIG.vocab_size)
+  loss_mask = (jax.random.uniform(jax.random.key(2), (6, 12)) < 0.7).astype(jnp.int32)
+  batch = {"tokens": tokens, "loss_mask": loss_mask}
+  return module, apply, params, batch
+
+
+class Mlp(nnx.Module):
+  """Linear → tanh → LayerNorm → Linear."""
+
+  def __init__(self, rngs):
+    self.fc1, self.norm = nnx.Linear(5, 7, rngs=rngs), nnx.LayerNorm(7, rngs=rngs)
+    self.head = nnx.Linear(7, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.norm(jnp.tanh(self.fc1(x))))
+
+
+def _mlp_batch():
+  x = jax.random.normal(jax.random.key(3), (8, 5))
+  return {"image": x * jnp.linspace(0.2, 3.0, 8)[:, None], "label": jnp.arange(8) % 3}
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  """The tapped Mlp on 5 features, 8 examples."""
+  model = tapped_model(Mlp(nnx.Rngs(0)))
+  return classification_loss(model.apply), model.params, _mlp_batch()
+
+
+def test_tapped_model_computes_the_same_function_and_leaves_the_original(gpt2):
+  module, apply, params, batch = gpt2
+  plain_apply, plain_params = gpt2_model(module)
+  np.testing.assert_array_equal(apply(params, batch["tokens"]),
+                                plain_apply(plain_params, batch["tokens"]))
+  assert type(module.token_embed) is nnx.Embed
+  assert isinstance(tapped(module).token_embed, TappedEmbed)
+
+
+def test_gpt2_ghost_matches_vmap_with_the_tied_embedding(gpt2):
+  _, apply, params, batch = gpt2
+  loss_fn = lm_loss(apply)
+  coverage = ghost_coverage(loss_fn, params, _first(batch))
+  assert {p[:-1] for p in coverage.exact} == {("blocks", 0, "norm1"), ("blocks", 0, "norm2"),
+                                             ("norm",)}
+  assert ("token_embed", "embedding") in coverage.ghost
+  want_norms = _vmap_norms(loss_fn, params, batch)
+  np.testing.assert_allclose(_ghost_norms(loss_fn, params, batch), want_norms, rtol=1e-4)
+  clip = float(jnp.median(want_norms))  # some rows clipped, some not
+  mask = jnp.array([True, True, True, False, True, True])
+  want = _vmap_sum(loss_fn, params, batch, mask, clip)
+  got = jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clip))(params)
+  assert 0 < float(got.stats.num_clipped) < 5
+  assert got.l2_sensitivity == want.l2_sensitivity == clip
+  _assert_trees_close(got.total, want.total)
+  for g, w in zip(got.stats, want.stats, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4)
+
+
+def test_cnn_patch_conv_ghost_matches_vmap_microbatched_with_group_norm():
+  model = tapped_model(SmallCNN(4, 2, image_shape=(8, 8), groups=4, rngs=nnx.Rngs(0)))
+  loss_fn = classification_loss(model.apply)
+  batch = {"image": jax.random.normal(jax.random.key(4), (6, 8, 8, 2)),
+           "label": jnp.arange(6) % 4}
+  mask = jnp.array([True, False, True, True, True, True])
+  assert {p[0] for p in ghost_coverage(loss_fn, model.params, _first(batch)).exact} == {
+      "norm0", "norm1", "norm2"}
+  norms = _vmap_norms(loss_fn, model.params, batch)
+  clip = float(jnp.median(norms))
+  want = _vmap_sum(loss_fn, model.params, batch, mask, clip)
+  got = jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clip, microbatch_size=3)
+                )(model.params)
+  assert 0 < float(got.stats.num_clipped) < 5
+  _assert_trees_close(got.total, want.total)
+  for g, w in zip(got.stats, want.stats, strict=True):  # the norms of the real rows
+    np.testing.assert_allclose(g, w, rtol=1e-4)
+
+
+@pytest.mark.parametrize("clipping", [per_layer_clipping(0.3), automatic_clipping(0.5),
+                                      Clipping(0.4, per_layer=True, automatic=True)],
+                         ids=["per_layer", "automatic", "automatic_per_layer"])
+def test_every_clipping_rule_matches_vmap(mlp, clipping):
+  loss_fn, params, batch = mlp
+  want = _vmap_sum(loss_fn, params, batch, None, clipping)
+  got = _ghost_sum(loss_fn, params, batch, None, clipping)
+  _assert_trees_close(got.total, want.total)
+  np.testing.assert_allclose(got.stats.num_clipped, want.stats.num_clipped)
+
+
+def test_nonfinite_example_contributes_zero_as_in_vmap(mlp):
+  loss_fn, params, batch = mlp
+  bad = {**batch, "image": batch["image"].at[2, 0].set(jnp.inf)}
+  want = _vmap_sum(loss_fn, params, bad, None, 1.0)
+  got = _ghost_sum(loss_fn, params, bad, None, 1.0)
+  assert float(got.stats.num_nonfinite) == float(want.stats.num_nonfinite) == 1.0
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(got.total))
+  _assert_trees_close(got.total, want.total)
+  drop = jnp.arange(8) != 2
+  _assert_trees_close(got.total, _ghost_sum(loss_fn, params, batch, drop, 1.0).total)
+
+
+def test_grid_mode_is_refused(mlp):
+  loss_fn, params, batch = mlp
+  with pytest.raises(ValueError, match="grid"):
+    ghost_clipped_sum(loss_fn, params, batch, None, Clipping(1.0, grid_bits=10))
+
+
+def test_neighbouring_batches_differ_by_at_most_c_even_with_a_huge_gradient(mlp):
+  loss_fn, params, batch = mlp
+  weighted = lambda p, b: loss_fn(p, b) * b["weight"][0]
+  huge = {**batch, "weight": jnp.ones(8).at[5].set(1e6)}
+  clip = 0.5
+  run = jax.jit(lambda b, m: ghost_clipped_sum(weighted, params, b, m, clip))
+  full = run(huge, None)
+  for i in (0, 5):
+    removed = jax.tree.map(lambda x, i=i: jnp.delete(x, i, axis=0), huge)
+    diff = _l2(full.total, run(removed, None).total)
+    assert diff <= clip * (1 + 1e-5)
+  assert float(full.stats.norm_max) > 1e4 * clip
+
+
+def test_each_gpt2_example_moves_the_sum_by_its_clipped_norm(gpt2):
+  """Removing example i changes S by exactly min(C, ‖g_i‖): the tied-embedding cross
+  term is in the norm the factor used, so a clipped example moves S by C, not more."""
+  _, apply, params, batch = gpt2
+  loss_fn = lm_loss(apply)
+  norms = _vmap_norms(loss_fn, params, batch)
+  clip = float(jnp.median(norms))
+  run = jax.jit(lambda m: ghost_clipped_sum(loss_fn, params, batch, m, clip))
+  full = run(jnp.ones(6, bool))
+  for i in range(6):
+    diff = _l2(full.total, run(jnp.arange(6) != i).total)
+    assert diff <= clip * (1 + 1e-5)
+    np.testing.assert_allclose(diff, min(clip, float(norms[i])), rtol=1e-3)
+
+
+def test_an_untapped_use_of_a_tapped_weight_cannot_raise_the_sensitivity(mlp):
+  """The sum is assembled from the factors whose norms were taken: a use no tap sees
+  makes it differ from the gradient, never lets one example move it by more than C."""
+  loss_fn, params, batch = mlp
+  sneaky = lambda p, b: loss_fn(p, b) + 50.0 * jnp.sum(p["fc1"]["kernel"] * b["image"][0, 0])
+  clip = 0.5
+  run = jax.jit(lambda m: ghost_clipped_sum(sneaky, params, batch, m, clip))
+  full = run(jnp.ones(8, bool))
+  vmap_sum = _vmap_sum(sneaky, params, batch, None, clip)
+  assert _l2(full.total, vmap_sum.total) > 0.1  # the untapped use is missing ...
+  for i in range(8):
+    diff = _l2(full.total, run(jnp.arange(8) != i).total)
+    assert diff <= clip * (1 + 1e-5)  # ... but every example is still clipped to C
+
+
+def test_untapped_model_falls_back_to_exact_gradients_and_automatic_picks_vmap():
+  model = pure_model(Mlp(nnx.Rngs(1)))
+  loss_fn = classification_loss(model.apply)
+  batch = _mlp_batch()
+  assert ghost_coverage(loss_fn, model.params, _first(batch)).ghost == ()
+  assert resolve_method("automatic", loss_fn, model.params, _first(batch)) == "vmap"
+  want = _vmap_sum(loss_fn, model.params, batch, None, 0.1)
+  _assert_trees_close(_ghost_sum(loss_fn, model.params, batch, None, 0.1).total,
+                      want.total)
+
+
+def test_private_step_with_ghost_gives_the_vmap_update(gpt2):
+  _, apply, params, batch = gpt2
+  loss_fn = lm_loss(apply)
+  assert resolve_method("automatic", loss_fn, params, _first(batch)) == "ghost"
+  opt = dp_sgd(0.5, 0.1, 1.0, denominator=6.0, key=7)
+  mask = jnp.array([True, True, True, True, False, True])
+  outs = {}
+  for method in ("vmap", "ghost"):
+    step = make_private_step(opt, loss_fn, clipped_sum_method=method)
+    outs[method] = step(params, opt.init(params), [(batch, mask)])
+  _assert_trees_close(outs["ghost"].params, outs["vmap"].params)
+  assert float(outs["ghost"].stats.num_examples) == 5.0
+  with pytest.raises(ValueError, match="gradient query"):
+    make_private_step(opt, query=gradient_query(loss_fn), clipped_sum_method="ghost")
+  with pytest.raises(ValueError, match="clipped_sum_method"):
+    make_private_step(opt, loss_fn, clipped_sum_method="fast")
+
+
+def test_flat_clipping_factors_match_clip():
+  g = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]])}
+  for rule in (flat_clipping(1.0), per_layer_clipping(2.0), automatic_clipping(1.0)):
+    sq = jax.tree.map(lambda x: jnp.sum(x**2), g)
+    scaled = rule.factors(sq)
+    clipped = rule.clip(g)
+    np.testing.assert_allclose(scaled.norm, clipped.norm)
+    for f, x, c in zip(jax.tree.leaves(scaled.clipped), jax.tree.leaves(g),
+                       jax.tree.leaves(clipped.clipped), strict=True):
+      np.testing.assert_allclose(f * x, c, rtol=1e-6)
+  bad = flat_clipping(1.0).factors({"a": jnp.array(jnp.nan), "b": jnp.array(1.0)})
+  assert not bool(bad.is_finite) and float(bad.clipped["b"]) == 0.0
+
+
+def test_inner_momentum_ghost_matches_vmap_with_cross_terms_between_states(gpt2):
+  """q_i = Σ_k w_k ∇ℓ(θ_{t−k}; x_i) clipped as one vector: the norm needs the cross
+  terms Σ_{k,l} w_k w_l Σ_{t,s}(a_{k,t}·a_{l,s})(g_{k,t}·g_{l,s}) (and, for the tied
+  embedding, the lookup × head terms across states). With 2 stored states the Muon
+  group (K = 2) weighs θ_t, θ_{t−1}, θ_{t−2}; the fallback (K = 1) gives θ_{t−2} weight 0."""
+  count = 2
+  _, apply, params, batch = gpt2
+  loss_fn = lm_loss(apply)
+  keys = iter(jax.random.split(jax.random.key(9), 100))
+  states = jax.tree.map(
+      lambda p: jnp.stack([p + 0.05 * jax.random.normal(next(keys), p.shape) for _ in range(2)]),
+      params)
+  inputs = InnerMomentumInputs(params, ParamHistoryState(states, jnp.asarray(count, jnp.int32)))
+  in_muon = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+  query = grouped_inner_momentum_query(loss_fn, in_muon, 2, 0.5, 1, 0.7)
+  ghost = ghost_inner_momentum_sum(loss_fn, in_muon, 2, 0.5, 1, 0.7)
+  norms = jax.jit(lambda i: jax.vmap(lambda ex: flat_norm(query(i, ex)))(batch))(inputs)
+  clip = float(jnp.median(norms))
+  mask = jnp.array([True, True, False, True, True, True])
+  want = jax.jit(lambda i: clipped_sum(query, i, batch, mask, clip))(inputs)
+  got = jax.jit(lambda i: ghost(i, batch, mask, clip))(inputs)
+  assert 0 < float(got.stats.num_clipped) < 5
+  _assert_trees_close(got.total, want.total)
+  for g, w in zip(got.stats, want.stats, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4)
