@@ -59,6 +59,9 @@ from dpmuon_jax.transforms.routing import partition_muon
 from dpmuon_jax.transforms.selective import selective_orthogonalization
 from dpmuon_jax.transforms.shrinkage import scale_by_singular_value_shrinkage
 
+# The one place the version is written: setuptools reads it into the package metadata.
+__version__ = "0.1.0"
+
 __all__ = [
     # The release and its setup.
     "ClippedSum",

@@ -29,7 +29,8 @@ SCHEDULE_PROBE_STEPS = (0, 1, 10, 1000)
 
 def _shown(value: Any) -> str:
   """``nan``, ``-1.0``, ``3``: the value as its user typed it, where it is a number."""
-  if isinstance(value, (numbers.Number, np.ndarray, jax.Array)) and np.size(value) == 1:
+  if isinstance(value, (numbers.Number, np.ndarray, jax.Array)) and np.size(
+      value) == 1:  # pyright: ignore[reportArgumentType]  # a Number is array-like
     return repr(np.asarray(value).item())
   return repr(value)
 
@@ -39,7 +40,7 @@ def _refuse(name: str, allowed: str, value: Any) -> ValueError:
 
 
 def _is_traced(value: Any) -> bool:
-  return isinstance(value, jax.core.Tracer)
+  return isinstance(value, jax.core.Tracer)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _as_float(value: Any) -> float:

@@ -1,6 +1,6 @@
-"""The ``dpmuon`` command: ``dpmuon train``, ``dpmuon export``, ``dpmuon account``.
+"""The ``dpmuon`` command: ``train``, ``tune``, ``compare``, ``export``, ``account``, ``audit``.
 
-    dpmuon train                       # DP-SGD on the embedded digits data, ε = 4
+    dpmuon train                       # DP-Muon on the embedded digits data, ε = 4
     dpmuon train --dataset cifar10.npz --model cnn --optimizer dp_muon \\
         --epsilon 4 --batch-size 1024 --epochs 5 --seed 42
     dpmuon export runs/dpmuon          # public params + privacy certificate, no secrets
@@ -10,6 +10,8 @@
     dpmuon account --epsilon 4 --dataset-size 50000 --epochs 50 \\
         --batch-sizes 256,512,1024,2048,4096
     dpmuon audit --seed 1 --noise-scale 1.0      # one-run privacy audit
+    dpmuon tune --optimizer dp_muon --epsilon 4  # private learning-rate selection, ε in total
+    dpmuon compare --optimizers dp_sgd,dp_muon --epsilon 4 --seed 0   # side by side, one plot
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ Every run samples batches with Poisson sampling, clips each example's gradient
 to L2 norm C, adds Gaussian noise N(0, σ²C²) to the sum and divides by the
 expected batch size; σ is calibrated so the whole run spends at most the
 target ε (dp-accounting, RDP). The guarantee is per run (add/remove one
-example); a search over many runs is not covered.
+example); a search over many runs is not covered, except by ``dpmuon tune``,
+whose (ε, δ) accounts for its whole learning-rate search.
 """
 
 
@@ -49,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   sub = parser.add_subparsers(dest="command", required=True)
   _add_train(sub)
+  _add_distributed(sub.choices["train"])
   _add_export(sub)
   sub.add_parser(
       "audit",
@@ -56,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
       add_help=False,
   )
   _add_account(sub)
+  _add_tune(sub)
+  _add_compare(sub)
   return parser
 
 
@@ -79,7 +85,7 @@ def _add_train(sub) -> None:
   )
   train.add_argument("--data-dir", default=None, help="TFDS data directory")
   optimizer_help = "; ".join(f"{k}: {v.summary}" for k, v in OPTIMIZERS.items())
-  train.add_argument("--optimizer", default="dp_sgd", choices=list(OPTIMIZERS),
+  train.add_argument("--optimizer", default="dp_muon", choices=list(OPTIMIZERS),
                      help=optimizer_help)
   train.add_argument("--epsilon", type=float, default=4.0, help="target ε of the whole run")
   train.add_argument("--delta", type=float, default=1e-5, help="target δ (keep it below 1/N)")
@@ -104,6 +110,8 @@ def _add_train(sub) -> None:
                      help="stop after this many steps (smoke runs)")
   train.add_argument("--log-clip-stats", action="store_true",
                      help="log clip fraction and gradient norms (NON-private statistics)")
+  train.add_argument("--log-dir", default=None, help="also write the metrics as TensorBoard "
+                     "event files here (the 'tensorboard' extra; view: tensorboard --logdir DIR)")
   train.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
   train.add_argument("--init-weights", default=None,
                      help="public pretrained weights (flax.serialization msgpack of the params "
@@ -117,6 +125,30 @@ def _add_train(sub) -> None:
                      "docs/sharp-edges.md")
   train.add_argument("--no-progress", dest="progress", action="store_false")
   train.add_argument("--no-plot", dest="plot", action="store_false")
+
+
+_DISTRIBUTED = ("coordinator_address", "num_processes", "process_id", "distributed",
+                "cpu_collectives")
+
+
+def _add_distributed(train) -> None:
+  """``dpmuon train``'s flags for several JAX processes (one data-parallel mesh)."""
+  group = train.add_argument_group(
+      "several processes",
+      "Start the same command in every process (same --seed or none: process 0's root key "
+      "is shared), with its own --process-id; the mesh spans all processes' devices. "
+      "Process 0 writes checkpoints, journal and export; --output-dir must be one directory "
+      "that all processes see.")
+  group.add_argument("--coordinator-address", default=None,
+                     help="host:port of process 0's coordinator, e.g. 127.0.0.1:12345")
+  group.add_argument("--num-processes", type=_positive_int, default=None,
+                     help="number of processes of the group")
+  group.add_argument("--process-id", type=int, default=None, help="this process's index, 0..P-1")
+  group.add_argument("--distributed", action="store_true",
+                     help="without the three flags above, let JAX read them from the cluster "
+                     "(jax.distributed.initialize() on TPU pods, SLURM, Open MPI)")
+  group.add_argument("--cpu-collectives", choices=("gloo", "mpi"), default=None,
+                     help="collectives between CPU processes (gloo for testing on one machine)")
 
 
 def _add_export(sub) -> None:
@@ -149,9 +181,14 @@ def _add_account(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+  from dpmuon_jax.distributed.multihost import initialize
+
+  # Before any other JAX use: join the process group (nothing without the flags).
+  initialize(args.coordinator_address, args.num_processes, args.process_id,
+             cpu_collectives=args.cpu_collectives, autodetect=args.distributed)
   from dpmuon_jax.training.trainer import TrainConfig, train
 
-  fields = {k: v for k, v in vars(args).items() if k != "command"}
+  fields = {k: v for k, v in vars(args).items() if k not in ("command", *_DISTRIBUTED)}
   results = train(TrainConfig(**fields))
   print(
       f"test accuracy {results['final_test_accuracy']:.4f} "
@@ -218,6 +255,167 @@ def _account(args: argparse.Namespace) -> int:
   return 0
 
 
+def _add_run_arguments(parser, epochs: float, batch_size: int, output_dir: str) -> None:
+  """The trainer flags ``dpmuon tune`` and ``dpmuon compare`` share (small defaults)."""
+  from dpmuon_jax.models.registry import MODEL_NAMES
+
+  parser.add_argument("--model", default="cnn", choices=MODEL_NAMES)
+  parser.add_argument("--dataset", default="digits",
+                      help="'digits' (embedded), a TFDS name, or an .npz path (as dpmuon train)")
+  parser.add_argument("--data-dir", default=None, help="TFDS data directory")
+  parser.add_argument("--epsilon", type=float, default=4.0,
+                      help="target ε (tune: of the whole search; compare: of each run)")
+  parser.add_argument("--delta", type=float, default=1e-5)
+  parser.add_argument("--batch-size", type=_positive_int, default=batch_size,
+                      help="expected batch size qN of Poisson sampling")
+  parser.add_argument("--epochs", type=float, default=epochs)
+  parser.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C")
+  parser.add_argument("--microbatch-size", type=_positive_int, default=None)
+  parser.add_argument("--max-steps", type=_positive_int, default=None,
+                      help="stop each run after this many steps (smoke runs)")
+  parser.add_argument("--output-dir", default=output_dir)
+
+
+def _add_tune(sub) -> None:
+  from dpmuon_jax.optimizers.registry import OPTIMIZERS
+
+  tune = sub.add_parser(
+      "tune",
+      help="private learning-rate selection; ε covers the whole search",
+      description="Select a learning rate privately (Papernot & Steinke, 'Hyperparameter "
+      "Tuning with Renyi Differential Privacy', ICLR 2022): a random number K of private runs, "
+      "each with a learning rate drawn from a ×3 grid and scored by its noisy accuracy on a "
+      "validation part held out from the training split; only the best run is kept. σ is "
+      "calibrated so that the WHOLE procedure spends at most --epsilon. K, the other runs and "
+      "their scores stay secret (they are not printed without --show-all-runs).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  tune.add_argument("--optimizer", default="dp_muon", choices=list(OPTIMIZERS))
+  _add_run_arguments(tune, epochs=2.0, batch_size=128, output_dir="runs/tune")
+  tune.add_argument("--lr-center", type=float, default=None,
+                    help="centre of the grid (default: the optimizer's preset learning rate)")
+  tune.add_argument("--grid-size", type=_positive_int, default=3,
+                    help="number of learning rates, spaced ×3")
+  tune.add_argument("--learning-rates", default=None,
+                    help="comma-separated grid, instead of --lr-center and --grid-size")
+  tune.add_argument("--expected-runs", type=float, default=3.0, help="E[K]")
+  tune.add_argument("--eta", type=float, default=1.0,
+                    help="K ~ truncated negative binomial with this η and mean --expected-runs "
+                    "(1: geometric; 0: logarithmic, a little less ε, a longer tail of K)")
+  tune.add_argument("--poisson", action="store_true",
+                    help="K ~ Poisson(--expected-runs) instead (K = 0 selects nothing)")
+  tune.add_argument("--validation-size", type=_positive_int, default=None,
+                    help="examples held out from the end of the training split "
+                    "(default: a fifth of it, at most 5000)")
+  tune.add_argument("--score-std", type=float, default=0.02,
+                    help="std of the Gaussian noise on each run's validation accuracy")
+  tune.add_argument("--seed", type=int, default=None,
+                    help="reproducible K, draws, noise and runs (recorded as seeded); "
+                    "default: OS entropy")
+  tune.add_argument("--show-all-runs", action="store_true",
+                    help="also print and save every run's learning rate and score: NON-private, "
+                    "not covered by ε (it reveals K and the other runs)")
+
+
+def _add_compare(sub) -> None:
+  compare = sub.add_parser(
+      "compare",
+      help="train several optimizers at one ε on the same data and seed; table and plot",
+      description="Train each optimizer once (its preset learning rate unless --learning-rates "
+      "is given) at the same (ε, δ), data and seed; print a table and plot test accuracy per "
+      "epoch. Each run is (ε, δ)-DP on its own; all of them published together compose "
+      "(the combined ε is printed too).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  compare.add_argument("--optimizers", default="dp_sgd,dp_muon",
+                       help="comma-separated registered optimizer names")
+  compare.add_argument("--learning-rates", default=None,
+                       help="comma-separated, one per optimizer (default: their presets)")
+  _add_run_arguments(compare, epochs=3.0, batch_size=128, output_dir="runs/compare")
+  compare.add_argument("--seed", type=int, default=0,
+                       help="one seed for every run (recorded as seeded)")
+
+
+def _floats(text: str, flag: str) -> list[float]:
+  try:
+    return [float(t) for t in text.split(",")]
+  except ValueError:
+    raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}.") from None
+
+
+def _run_config(args: argparse.Namespace, **fields):
+  from dpmuon_jax.training.trainer import TrainConfig
+
+  return TrainConfig(
+      model=args.model, dataset=args.dataset, data_dir=args.data_dir, epsilon=args.epsilon,
+      delta=args.delta, batch_size=args.batch_size, epochs=args.epochs, clip=args.clip,
+      microbatch_size=args.microbatch_size, max_steps=args.max_steps,
+      output_dir=args.output_dir, progress=False, **fields)
+
+
+def _tune_options(args: argparse.Namespace, num_train: int):
+  from dpmuon_jax.optimizers.registry import preset
+  from dpmuon_jax.privacy.tuning import Poisson, truncated_negative_binomial
+  from dpmuon_jax.training.selection import TuneOptions, learning_rate_grid
+
+  if args.learning_rates is not None:
+    rates = tuple(_floats(args.learning_rates, "--learning-rates"))
+    if not all(r > 0 for r in rates):
+      raise ValueError(f"--learning-rates must be positive, got {args.learning_rates}.")
+  else:
+    center = args.lr_center or preset(args.optimizer).learning_rate
+    rates = learning_rate_grid(center, args.grid_size, 3.0)
+  if args.poisson:
+    distribution = Poisson(args.expected_runs)
+  else:
+    distribution = truncated_negative_binomial(args.expected_runs, args.eta)
+  size = args.validation_size or max(1, min(5000, num_train // 5))
+  return TuneOptions(rates, distribution, size, args.score_std, args.seed, args.show_all_runs)
+
+
+def _tune(args: argparse.Namespace) -> int:
+  from dpmuon_jax.data.loaders import load_dataset
+  from dpmuon_jax.training.selection import tune_learning_rate
+
+  data = load_dataset(args.dataset, args.data_dir)
+  options = _tune_options(args, data.num_train)
+  config = _run_config(args, optimizer=args.optimizer, plot=False)
+  print(f"tuning {args.optimizer} on {data.name}: learning rates "
+        f"{', '.join(f'{r:.4g}' for r in options.learning_rates)}, E[K] = "
+        f"{args.expected_runs:g} runs, {options.validation_size} validation examples")
+  s = tune_learning_rate(config, data, options)
+  if args.show_all_runs:
+    print(f"NON-private, not covered by ε: {len(s['nonprivate_runs'])} run(s):")
+    for r in s["nonprivate_runs"]:
+      print(f"  learning rate {r['learning_rate']:.4g}: noisy validation accuracy {r['score']:.4f}")
+  if s["selected_run"] is None:
+    print("K = 0 runs were drawn: nothing is selected (the Poisson law allows it).")
+  else:
+    print(f"chosen learning rate {s['learning_rate']:.4g}: noisy validation accuracy "
+          f"{s['score']:.4f} (noise std {s['score_std']:g}); its test accuracy "
+          f"{s['selected_run']['final_test_accuracy']:.4f}")
+  print(f"ε = {s['epsilon']:.3f} at δ = {s['delta']:g} for the whole tuning procedure "
+        f"(target {s['target_epsilon']:g}; σ = {s['noise_multiplier']:.4f} per run, "
+        f"{s['steps_per_run']} steps); summary in {args.output_dir}/tuning.json")
+  return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+  from dpmuon_jax.data.loaders import load_dataset
+  from dpmuon_jax.training.compare import check_optimizer_names, compare_optimizers, format_table
+
+  names = check_optimizer_names([n.strip() for n in args.optimizers.split(",") if n.strip()])
+  rates = None if args.learning_rates is None else _floats(args.learning_rates,
+                                                           "--learning-rates")
+  data = load_dataset(args.dataset, args.data_dir)
+  summary = compare_optimizers(_run_config(args, seed=args.seed, plot=False), names, data, rates)
+  print(format_table(summary["rows"]))
+  print(f"each run: ε ≤ {args.epsilon:g} at δ = {args.delta:g}; all {len(names)} published "
+        f"together: ε = {summary['combined_epsilon']:.3f}. Plot: {summary['plot']}; "
+        f"summary: {args.output_dir}/comparison.json")
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   from absl import logging as absl_logging
 
@@ -229,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     return audit_main(argv[1:])
   args = _parser().parse_args(argv)
   try:
-    commands = {"train": _train, "export": _export, "account": _account}
+    commands = {"train": _train, "export": _export, "account": _account, "tune": _tune,
+                "compare": _compare}
     return commands[args.command](args)
   except (ValueError, OSError, KeyError) as error:
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

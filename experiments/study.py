@@ -74,6 +74,21 @@ class Arm:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrivatelyTunedArm(Arm):
+  """An arm whose learning rate is chosen by private selection, once per seed.
+
+  Each seed runs :func:`dpmuon_jax.training.selection.tune_learning_rate`:
+  K ~ TNB(η = 1, E[K] = ``mean_runs``) runs, rates drawn from the arm's first
+  grid, scored by noisy validation accuracy; σ is calibrated so the WHOLE
+  procedure spends ε. Its row's ``epsilon_spent`` is that total, its
+  ``final_val_accuracy`` the released (noisy) score.
+  """
+
+  mean_runs: float = 3.0
+  score_std: float = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
 class Study:
   """Arms trained on one dataset and model at one (ε, δ); see the module docstring."""
 
@@ -130,8 +145,15 @@ def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], f
 
 
 def ready_runs(study: Study, rows: list[dict]) -> Iterator[tuple[Arm, float, int]]:
-  """Every (arm, learning rate, seed) that can be trained now, in arm order."""
+  """Every (arm, learning rate, seed) that can be trained now, in arm order.
+
+  A privately tuned arm yields (arm, ``math.nan``, seed): its rate is chosen inside the run.
+  """
   for arm in study.arms:
+    if isinstance(arm, PrivatelyTunedArm):
+      done = {int(r["seed"]) for r in rows if r["arm"] == arm.name}
+      yield from ((arm, math.nan, seed) for seed in study.seeds if seed not in done)
+      continue
     pending, chosen = grid_state(study, arm, rows)
     for lr in pending:
       yield arm, lr, study.seeds[0]
@@ -166,26 +188,70 @@ def split_data(study: Study, data_dir: str | None):
 
 
 def run_dir(out: str, arm: Arm, lr: float, seed: int) -> str:
+  if isinstance(arm, PrivatelyTunedArm):
+    return os.path.join(out, "runs", arm.name, f"s{seed}")
   return os.path.join(out, "runs", arm.name, f"lr{lr:g}_s{seed}")
+
+
+def _config(study: Study, arm: Arm, lr: float | None, seed: int, directory: str,
+            num_train: int, resume: bool, max_steps: int | None):
+  from dpmuon_jax.training.trainer import TrainConfig
+
+  return TrainConfig(
+      model=study.model, dataset=study.dataset, optimizer=arm.optimizer,
+      optimizer_options=dict(arm.options), epsilon=study.epsilon, delta=study.delta,
+      batch_size=arm.batch_size, epochs=arm.training_epochs(num_train),
+      learning_rate=lr, warmup_fraction=study.warmup_fraction, clip=study.clip,
+      clipping=arm.clipping, seed=seed, output_dir=directory, resume=resume,
+      microbatch_size=study.microbatch_size, progress=False, plot=False, max_steps=max_steps,
+      model_overrides=dict(study.model_overrides),
+  )
+
+
+def tune_one(study: Study, arm: PrivatelyTunedArm, seed: int, out: str, data_dir: str | None,
+             max_steps: int | None = None) -> dict:
+  """One whole private selection (a seeded rerun after a crash repeats it exactly)."""
+  from dpmuon_jax.data.images import ImageDataset
+  from dpmuon_jax.privacy.tuning import truncated_negative_binomial
+  from dpmuon_jax.training.selection import TuneOptions, learning_rate_grid, tune_learning_rate
+
+  with_val, with_test = split_data(study, data_dir)
+  full = ImageDataset(np.concatenate([with_val.x_train, with_val.x_test]),
+                      np.concatenate([with_val.y_train, with_val.y_test]), with_test.x_test,
+                      with_test.y_test, with_test.num_classes, with_test.name)
+  directory = run_dir(out, arm, math.nan, seed)
+  shutil.rmtree(directory, ignore_errors=True)  # an interrupted selection restarts whole
+  config = _config(study, arm, None, seed, directory, with_val.num_train, False, max_steps)
+  options = TuneOptions(
+      learning_rate_grid(arm.lr_center, study.grid_points, study.grid_factor),
+      truncated_negative_binomial(arm.mean_runs, eta=1.0), study.validation_size,
+      arm.score_std, seed=seed)
+  start = time.perf_counter()
+  summary = tune_learning_rate(config, full, options)
+  selected = summary["selected_run"]
+  return {
+      "arm": arm.name, "optimizer": arm.optimizer, "batch_size": arm.batch_size,
+      "clipping": arm.clipping, "epochs": config.epochs,
+      "learning_rate": summary["learning_rate"], "seed": seed,
+      "noise_multiplier": summary["noise_multiplier"], "epsilon_spent": summary["epsilon"],
+      "delta": summary["delta"], "releases": selected["releases"],
+      "final_val_accuracy": summary["score"], "best_val_accuracy": summary["score"],
+      "test_accuracy": selected["final_test_accuracy"],
+      "seconds": time.perf_counter() - start,
+  }
 
 
 def train_one(study: Study, arm: Arm, lr: float, seed: int, out: str,
               data_dir: str | None, max_steps: int | None = None) -> dict:
   """Trains one run (resuming an interrupted one) and returns its CSV row."""
-  from dpmuon_jax.training.trainer import JOURNAL_NAME, TrainConfig, train
+  from dpmuon_jax.training.trainer import JOURNAL_NAME, train
 
+  if isinstance(arm, PrivatelyTunedArm):
+    return tune_one(study, arm, seed, out, data_dir, max_steps)
   with_val, with_test = split_data(study, data_dir)
   directory = run_dir(out, arm, lr, seed)
   started = os.path.exists(os.path.join(directory, JOURNAL_NAME))
-  config = TrainConfig(
-      model=study.model, dataset=study.dataset, optimizer=arm.optimizer,
-      optimizer_options=dict(arm.options), epsilon=study.epsilon, delta=study.delta,
-      batch_size=arm.batch_size, epochs=arm.training_epochs(with_val.num_train),
-      learning_rate=lr, warmup_fraction=study.warmup_fraction, clip=study.clip,
-      clipping=arm.clipping, seed=seed, output_dir=directory, resume=started,
-      microbatch_size=study.microbatch_size, progress=False, plot=False, max_steps=max_steps,
-      model_overrides=dict(study.model_overrides),
-  )
+  config = _config(study, arm, lr, seed, directory, with_val.num_train, started, max_steps)
   start = time.perf_counter()
   results = train(config, with_val)
   seconds = time.perf_counter() - start
@@ -252,6 +318,10 @@ def append_row(path: str, row: dict) -> None:
     os.fsync(f.fileno())
 
 
+def _key(arm: Arm, lr: float, seed: int) -> tuple[str, str, int]:
+  return arm.name, f"{lr:g}", seed
+
+
 def _worker_init() -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -264,7 +334,7 @@ def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
   rows = read_rows(path)
   context = multiprocessing.get_context("spawn")
   started = 0
-  running: dict[futures.Future, tuple[str, float, int]] = {}
+  running: dict[futures.Future, tuple[str, str, int]] = {}
   with futures.ProcessPoolExecutor(workers, mp_context=context,
                                    initializer=_worker_init) as pool:
     while True:
@@ -272,11 +342,11 @@ def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
       for arm, lr, seed in ready_runs(study, rows):
         if len(running) >= workers or (max_runs is not None and started >= max_runs):
           break
-        if (arm.name, lr, seed) in busy:
+        if _key(arm, lr, seed) in busy:
           continue
         job = pool.submit(train_one, study, arm, lr, seed, out, data_dir, max_steps)
-        running[job] = (arm.name, lr, seed)
-        busy.add((arm.name, lr, seed))
+        running[job] = _key(arm, lr, seed)
+        busy.add(_key(arm, lr, seed))
         started += 1
       if not running:
         return rows

@@ -23,9 +23,19 @@ import os
 import numpy as np
 
 from dpmuon_jax.training.records import write_csv
-from experiments.study import Arm, Study, final_params, grid_state, mean_std, run_dir, split_data
+from experiments.study import (
+    Arm,
+    PrivatelyTunedArm,
+    Study,
+    final_params,
+    grid_state,
+    mean_std,
+    run_dir,
+    split_data,
+)
 
 PROBE_SIZE = 1024
+PRIVATE_LABEL = "private_tuning"
 
 
 def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
@@ -35,10 +45,13 @@ def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
 def arm_summary(study: Study, arm: Arm, rows: list[dict]) -> dict:
   """One arm's grid, chosen rate and test accuracy over the chosen rate's seeds."""
   mine = _arm_rows(arm, rows)
-  grid = sorted((float(r["learning_rate"]), float(r["final_val_accuracy"])) for r in mine
-                if int(r["seed"]) == study.seeds[0])
-  _, chosen = grid_state(study, arm, rows)
-  seeds = [r for r in mine if chosen is not None and float(r["learning_rate"]) == chosen]
+  if isinstance(arm, PrivatelyTunedArm):  # one private selection per seed, rates may differ
+    grid, chosen, seeds = [], None, mine
+  else:
+    grid = sorted((float(r["learning_rate"]), float(r["final_val_accuracy"])) for r in mine
+                  if int(r["seed"]) == study.seeds[0])
+    _, chosen = grid_state(study, arm, rows)
+    seeds = [r for r in mine if chosen is not None and float(r["learning_rate"]) == chosen]
   tests = [float(r["test_accuracy"]) for r in seeds]
   mean, std = mean_std(tests) if tests else (math.nan, math.nan)
   on_edge = bool(grid) and chosen in (grid[0][0], grid[-1][0])
@@ -48,20 +61,29 @@ def arm_summary(study: Study, arm: Arm, rows: list[dict]) -> dict:
       "releases": mine[0]["releases"] if mine else "",
       "noise_multiplier": mine[0]["noise_multiplier"] if mine else "",
       "grid": " ".join(f"{lr:g}:{acc:.4f}" for lr, acc in grid),
-      "chosen_learning_rate": "" if chosen is None else chosen, "chosen_on_edge": on_edge,
+      "chosen_learning_rate": " ".join(r["learning_rate"] for r in seeds) if chosen is None
+      else chosen, "chosen_on_edge": on_edge,
       "seeds": len(tests), "test_accuracy_mean": mean, "test_accuracy_std": std,
       "max_epsilon_spent": max((float(r["epsilon_spent"]) for r in mine), default=math.nan),
   }
 
 
 def gap_rows(summary: list[dict], baseline: str = "dp_sgd") -> list[dict]:
-  """Each optimizer minus ``baseline`` at the same B, label and clipping."""
+  """Each optimizer minus ``baseline`` at the same B, label and clipping.
+
+  A privately tuned arm is compared with its own optimizer's validation-tuned
+  arm instead: the accuracy its tuning's privacy costs.
+  """
   base = {(s["batch_size"], s["label"]): s for s in summary
           if s["optimizer"] == baseline and s["clipping"] == "flat"}
+  same = {(s["optimizer"], s["batch_size"]): s for s in summary
+          if s["label"] == "main" and s["clipping"] == "flat"}
   out = []
   for s in summary:
     b = base.get((s["batch_size"], s["label"]))
-    if s["optimizer"] == baseline or b is None or not (s["seeds"] and b["seeds"]):
+    if s["label"] == PRIVATE_LABEL:
+      b = same.get((s["optimizer"], s["batch_size"]))
+    if b is None or b is s or not (s["seeds"] and b["seeds"]):
       continue
     se = math.sqrt(_var(s) / s["seeds"] + _var(b) / b["seeds"])
     out.append({"batch_size": s["batch_size"], "label": s["label"], "arm": s["arm"],

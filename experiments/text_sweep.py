@@ -30,6 +30,7 @@ import statistics
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
 from dpmuon_jax.training.records import write_csv
+from dpmuon_jax.training.tracking import MissingExtraError
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment
 
 TINY_MODEL = {"dim": 16, "num_layers": 1, "num_heads": 2, "max_positions": 160}
@@ -84,7 +85,8 @@ def check_buildable(exp: TextExperiment, out: str, data_dir: str) -> None:
 
 
 def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = None,
-        tiny: bool = False) -> list[dict]:
+        tiny: bool = False, log_dir: str | None = None) -> list[dict]:
+  """Runs the experiment; ``log_dir``: each run's TensorBoard logs in a folder of its own."""
   if exp.pretrained and gpt2_dir is None and not tiny:
     raise SystemExit(f"{exp.name} fine-tunes GPT-2 small: pass --gpt2-dir, a local Hugging Face "
                      "gpt2 directory (model.safetensors + config.json).")
@@ -96,6 +98,9 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   rows, diagnostics = [], []
   for variant, epsilon, seed in runs:
     config = run_config(exp, variant, epsilon, seed, out, data_dir, gpt2_dir, tiny)
+    if log_dir is not None:
+      config = dataclasses.replace(
+          config, log_dir=os.path.join(log_dir, os.path.basename(config.output_dir)))
     results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None)
     rows.append(_row(variant.label, variant.optimizer, epsilon, seed, results))
     print(json.dumps(rows[-1]), flush=True)
@@ -201,10 +206,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--gpt2-dir", default=None, help="local Hugging Face gpt2 weights")
   parser.add_argument("--out", default=None, help="default: experiments/results/<experiment>")
   parser.add_argument("--tiny", action="store_true", help="one release, tiny shapes")
+  parser.add_argument("--log-dir", default=None,
+                      help="also write TensorBoard event files, one folder per run (needs the "
+                      "'tensorboard' extra)")
   args = parser.parse_args(argv)
   exp = TEXT_EXPERIMENTS[args.experiment]
   out = args.out or os.path.join(os.path.dirname(__file__), "results", exp.name)
-  run(exp, out, args.data_dir, args.gpt2_dir, args.tiny)
+  try:
+    run(exp, out, args.data_dir, args.gpt2_dir, args.tiny, args.log_dir)
+  except MissingExtraError as error:
+    raise SystemExit(f"text_sweep: error: {error}") from None
   return 0
 
 

@@ -139,9 +139,9 @@ rng = np.random.default_rng(0)
 x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
 y = rng.integers(0, 3, size=(80,))
 data = ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
-train(TrainConfig(model="cnn", dataset="tiny", epsilon=50.0, delta=1e-3, batch_size=16,
-                  epochs=200, seed=3, output_dir=sys.argv[1], progress=False, plot=False,
-                  learning_rate=0.1, checkpoint_every=3), data)
+train(TrainConfig(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=50.0, delta=1e-3,
+                  batch_size=16, epochs=200, seed=3, output_dir=sys.argv[1], progress=False,
+                  plot=False, learning_rate=0.1, checkpoint_every=3), data)
 """
 
 
@@ -164,7 +164,8 @@ def test_a_killed_run_resumed_with_augmentation_never_reuses_a_key(tmp_path, tin
     child.wait()
   made = {e.key_index for e in read_journal(journal)}
   assert len(made) >= 8
-  resumed = train(TrainConfig(model="cnn", dataset="tiny", epsilon=50.0, delta=1e-3,
+  resumed = train(TrainConfig(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=50.0,
+                              delta=1e-3,
                               batch_size=16, epochs=200, seed=3, output_dir=output_dir,
                               progress=False, plot=False, learning_rate=0.1,
                               checkpoint_every=3, resume=True, augment=True,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import csv
+import math
 import os
 
 import numpy as np
 import pytest
 
-from experiments.study import Arm, Study, grid_state, ready_runs, run_study
+from experiments.study import Arm, PrivatelyTunedArm, Study, grid_state, ready_runs, run_study
 from experiments.study_report import write_report
 
 ARM = Arm("dp_sgd", 32, 0.1, epochs=1.0)
@@ -86,3 +87,16 @@ def test_study_restarts_where_it_stopped_and_writes_its_report(tiny_npz, tmp_pat
     (summary,) = list(csv.DictReader(f))
   assert summary["seeds"] == "2" and summary["chosen_learning_rate"]
   assert os.path.exists(os.path.join(out, "accuracy_vs_batch.png"))
+
+
+def test_privately_tuned_arm_runs_one_selection_per_seed(tiny_npz, tmp_path):
+  arm = PrivatelyTunedArm("dp_sgd", 16, 0.1, epochs=1.0, mean_runs=1.5, score_std=0.5,
+                          label="private_tuning")
+  study = Study("tiny", "test", (arm,), dataset=tiny_npz, validation_size=32, seeds=(3,),
+                microbatch_size=None)
+  assert list(ready_runs(study, [])) and all(math.isnan(lr) for _, lr, _ in ready_runs(study, []))
+  out = str(tmp_path / "out")
+  (row,) = run_study(study, out, None, workers=1, max_steps=1)
+  assert float(row["epsilon_spent"]) <= 4.0 + 1e-9  # the WHOLE selection's ε
+  assert any(math.isclose(float(row["learning_rate"]), lr) for lr in (0.1 / 3, 0.1, 0.3))
+  assert run_study(study, out, None, workers=1, max_steps=1) == [row]  # recorded: skipped

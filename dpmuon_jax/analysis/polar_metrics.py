@@ -170,7 +170,7 @@ def history_weights(gamma: float, num_states: int) -> np.ndarray:
   return w / w.sum()
 
 
-def variance_ratio(weights: Sequence[float]) -> float:
+def variance_ratio(weights: Sequence[float] | np.ndarray) -> float:
   """S_K = Σ_k w_k² for weights summing to one: Var of Σ w_k ξ_k over Var ξ for i.i.d. ξ_k."""
   w = np.asarray(weights, np.float64)
   return float(np.sum(w**2) / np.sum(w) ** 2)

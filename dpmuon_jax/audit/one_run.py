@@ -19,6 +19,8 @@ vertices of the ROC curve's upper hull (other thresholds are dominated).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import scipy.optimize
 import scipy.special
@@ -65,7 +67,7 @@ def epsilon_one_run_counts(
   lo, hi = epsilon_floor, max(1.0, 2 * epsilon_floor)
   while gap(hi) > 0:
     lo, hi = hi, 2 * hi
-  return float(scipy.optimize.brentq(gap, lo, hi, xtol=1e-6))
+  return float(cast(float, scipy.optimize.brentq(gap, lo, hi, xtol=1e-6)))
 
 
 def epsilon_one_run(

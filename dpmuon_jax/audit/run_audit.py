@@ -21,7 +21,7 @@ import dataclasses
 import json
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,7 @@ def _load(path: str | None) -> tuple[np.ndarray, np.ndarray, int]:
     from dpmuon_jax.data.embedded import load_embedded
 
     data = load_embedded()
-    x, y, classes = data.x_train, data.y_train, data.num_classes
+    x, y, classes = data.x_train, data.y_train, cast(int, data.num_classes)  # set on init
   else:
     with np.load(path) as f:
       x, y = f["x_train"], f["y_train"]

@@ -13,6 +13,8 @@ to uint8 by round(v · 255 / 16), which is one-to-one on 0..16.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 
 from dpmuon_jax.data.images import ImageDataset
@@ -30,7 +32,7 @@ def load_embedded() -> ImageDataset:
         "The embedded 'digits' dataset needs scikit-learn: pip install 'dpmuon-jax[train]'."
     ) from None
 
-  digits = load_digits()
+  digits = cast(Any, load_digits())  # a Bunch (return_X_y=False)
   images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
   labels = digits.target.astype(np.int32)
   return ImageDataset(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from typing import Any, cast
 
 import numpy as np
 
@@ -91,7 +92,7 @@ def load_tfds(name: str, data_dir: str | None = None, download: bool = False) ->
         "build one offline from an .npz (shared/data/npz2tfds.py), or allow downloading."
     )
   try:
-    source = tfds.data_source(name, data_dir=data_dir, download=download)
+    source = cast(Any, tfds.data_source(name, data_dir=data_dir, download=download))
   except NotImplementedError as e:  # a tfrecord dir: no random access
     raise ValueError(f"TFDS dataset {name!r} in {builder.data_dir}: {e}") from None
   num_classes = source["train"].dataset_info.features["label"].num_classes

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +80,7 @@ def coefficient_schedule(coeffs: CoeffsLike, steps: int) -> tuple[tuple[Coeffs, 
   if steps < 0:
     raise ValueError(f"steps must be >= 0, got {steps}.")
   rows = [tuple(float(v) for v in table[min(k, len(table) - 1)]) for k in range(steps)]
-  return tuple(rows), float(safety)
+  return cast("tuple[Coeffs, ...]", tuple(rows)), float(safety)  # rows of 3
 
 
 def _ns_matrix(

@@ -25,8 +25,8 @@ sqrt(max(1, rows/cols)) because its weights are (out, in).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import jax
 from optax.contrib import MuonDimensionNumbers
@@ -45,8 +45,9 @@ DP_MUON_MAX_ASPECT_RATIO = 4.0
 class MatrixView(NamedTuple):
   """How a leaf maps to a (batch, fan_in, fan_out) stack of matrices and back."""
 
-  to_matrices: Callable[[jax.Array], jax.Array]
-  from_matrices: Callable[[jax.Array], jax.Array]
+  # jax.Array -> jax.Array; NumPy arrays work too (the non-private diagnostics use them).
+  to_matrices: Callable[[Any], Any]
+  from_matrices: Callable[[Any], Any]
   batch: int
   fan_in: int
   fan_out: int
@@ -59,7 +60,7 @@ def default_dimension_numbers(ndim: int) -> MuonDimensionNumbers:
   return MuonDimensionNumbers(reduction_axis=tuple(range(ndim - 1)), output_axis=ndim - 1)
 
 
-def _axes(spec: int | tuple[int, ...] | list[int], ndim: int) -> tuple[int, ...]:
+def _axes(spec: int | Sequence[int], ndim: int) -> tuple[int, ...]:
   spec = (spec,) if isinstance(spec, int) else tuple(spec)
   return tuple(ax % ndim for ax in spec)
 
@@ -128,9 +129,10 @@ def dimension_numbers_fn(dimension_numbers: DimensionNumbers
   the full parameter tree and still apply to a masked one (``optax.partition``).
   """
   if dimension_numbers is None or _is_spec(dimension_numbers):
-    return lambda path, leaf: dimension_numbers
+    spec = cast("MuonDimensionNumbers | None", dimension_numbers)
+    return lambda path, leaf: spec
   if callable(dimension_numbers):
-    return dimension_numbers
+    return cast("Callable[[Path, jax.Array], MuonDimensionNumbers | None]", dimension_numbers)
   by_path = {
       path_names(p): spec
       for p, spec in jax.tree_util.tree_flatten_with_path(dimension_numbers, is_leaf=_is_spec)[0]

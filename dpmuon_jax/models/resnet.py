@@ -85,7 +85,8 @@ class BasicBlock(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jax.nn.relu(self.norm1(self.conv1(x)))
     y = self.norm2(self.conv2(y))
-    skip = x if self.shortcut is None else self.shortcut_norm(self.shortcut(x))
+    skip = x if self.shortcut is None else (  # shortcut_norm is set with shortcut
+        self.shortcut_norm(self.shortcut(x)))  # pyright: ignore[reportOptionalCall]
     return jax.nn.relu(y + skip)
 
 

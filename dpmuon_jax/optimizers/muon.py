@@ -35,13 +35,20 @@ learning_rate=η′))``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.optimizers.options import ADAMW, SGD, Buffer, Fallback, NewtonSchulz
+from dpmuon_jax.optimizers.options import (
+    ADAMW,
+    SGD,
+    Buffer,
+    Fallback,
+    FallbackKind,
+    NewtonSchulz,
+)
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
@@ -53,15 +60,17 @@ from dpmuon_jax.transforms.routing import Routing, partition_muon
 
 def _fallback_group(fallback: Fallback) -> optax.GradientTransformation:
   """The fallback group of a resolved :class:`Fallback` (kind, learning rate, momentum set)."""
+  momentum = cast(float, fallback.momentum)  # resolved: not None
+  learning_rate = cast(optax.ScalarOrSchedule, fallback.learning_rate)
   if fallback.kind == SGD:
     return optax.chain(
-        optax.trace(decay=fallback.momentum, nesterov=fallback.nesterov),
+        optax.trace(decay=momentum, nesterov=fallback.nesterov),
         optax.add_decayed_weights(fallback.weight_decay),
-        optax.scale_by_learning_rate(fallback.learning_rate),
+        optax.scale_by_learning_rate(learning_rate),
     )
   if fallback.kind == ADAMW:
     return optax.adamw(
-        fallback.learning_rate, b1=fallback.momentum, b2=fallback.b2, eps=fallback.eps,
+        learning_rate, b1=momentum, b2=fallback.b2, eps=fallback.eps,
         weight_decay=fallback.weight_decay,
     )
   raise ValueError(f"fallback must be {SGD!r} or {ADAMW!r}, got {fallback.kind!r}.")
@@ -83,7 +92,9 @@ def fallback_optimizer(
   b1 = ``momentum``. Both with decoupled weight decay.
   """
   checks.check_learning_rate("learning_rate", learning_rate)
-  return _fallback_group(Fallback(kind, learning_rate, momentum, nesterov, weight_decay, b2, eps))
+  fallback = Fallback(cast(FallbackKind, kind), learning_rate, momentum, nesterov, weight_decay,
+                      b2, eps)  # the kind is checked there
+  return _fallback_group(fallback)
 
 
 def routed_post_processing(

@@ -123,7 +123,7 @@ def dp_muon_im(
       (ε = 8 on E2E: learning rates 0.002 / 0.0035).
     routing: the groups of both the query and the post-processing.
     Other arguments: as in :func:`dpmuon_jax.dp_muon` (``options``:
-    :func:`~dpmuon_jax.optimizers.muon.muon`'s).
+      :func:`~dpmuon_jax.optimizers.muon.muon`'s).
 
   Cost: K_max + 1 gradient evaluations per example and K_max stored copies of
   the parameters (``benchmarks/bench_inner_momentum.py``).

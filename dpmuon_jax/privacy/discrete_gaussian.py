@@ -137,7 +137,7 @@ def _uniform_int64(bound: int | np.ndarray, count: int, random_bytes: RandomByte
     words = _random_words(todo.size, width, random_bytes)
     if width == 8:
       words = words.view(np.int64)  # masking below clears the sign bit
-    x = words.astype(np.int64) & (mask if scalar else mask[todo])
+    x = words.astype(np.int64) & (mask if scalar else mask[todo])  # pyright: ignore[reportIndexIssue]
     ok = x < (bound if scalar else bound[todo])
     out[todo[ok]] = x[ok]
     todo = todo[~ok]

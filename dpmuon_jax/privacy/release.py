@@ -64,7 +64,8 @@ class GaussianReleaseSpec:
   denominator: float
   seeded: bool
   neighbouring: Neighbouring = ADD_REMOVE
-  clipping: Clipping | None = None
+  # None becomes as_clipping(l2_clip_norm) on init, so the field is always a Clipping.
+  clipping: Clipping = None  # pyright: ignore[reportAssignmentType]
 
   def __post_init__(self):
     if self.clipping is None:

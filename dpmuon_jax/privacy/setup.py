@@ -139,6 +139,7 @@ def make_private(
     raise ValueError("Give exactly one of epochs and steps.")
   sampling_rate = expected_batch_size / dataset_size
   if steps is None:
+    assert epochs is not None  # exactly one of the two, checked above
     if not epochs > 0:
       raise ValueError(f"epochs must be positive, got {epochs}.")
     steps = max(1, round(epochs / sampling_rate))

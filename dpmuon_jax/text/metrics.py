@@ -58,7 +58,8 @@ def bleu(hypotheses: Sequence[str], references: References) -> float:
   k = max(len(r) for r in references)
   streams = [[r[j] if j < len(r) else None for r in references] for j in range(k)]
   return sacrebleu.corpus_bleu(
-      list(hypotheses), streams, lowercase=True, tokenize="13a", force=True
+      list(hypotheses), streams,  # pyright: ignore[reportArgumentType]  # None: no reference
+      lowercase=True, tokenize="13a", force=True
   ).score
 
 

@@ -70,6 +70,7 @@ from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.training.loop import Hooks, LoopState, run_releases
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
+from dpmuon_jax.training.tracking import history_tags, tensorboard_writer
 from dpmuon_jax.transforms.history import ordered_history
 
 PyTree = Any
@@ -124,6 +125,8 @@ class LMTrainConfig:
     eval_pairs: validation pairs for the NLL (``None``: all).
     generate_splits / generate_groups: splits to decode and score, and how
       many of their groups (``None``: all).
+    log_dir: also write the validation NLL, ε spent and the learning rates
+      as TensorBoard event files there (:mod:`dpmuon_jax.training.tracking`).
   """
 
   data_dir: str
@@ -161,6 +164,7 @@ class LMTrainConfig:
   max_new_tokens: int = 64
   diagnostic_steps: tuple[int, ...] = ()
   diagnostic_examples: int = 32
+  log_dir: str | None = None  # TensorBoard event files (the tensorboard extra); None: none
 
 
 _POSITIVE_INTS = ("steps", "max_length", "eval_batch_size", "beam_size", "max_new_tokens",
@@ -317,6 +321,7 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
     raise ValueError("diagnostic_steps need a probe: pass e.g. "
                      "probe=dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe().")
   os.makedirs(config.output_dir, exist_ok=True)
+  tracker = tensorboard_writer(config.log_dir)  # fails here, before any release, if absent
   lm_data = _load_lm_data(config)
   tokenizer = lm_data.tokenizer
   train_arrays, valid_arrays, n = lm_data.train_arrays, lm_data.valid_arrays, lm_data.num_pairs
@@ -339,8 +344,9 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
 
   def before(state: LoopState) -> None:
     if state.step in config.diagnostic_steps:  # NON-PRIVATE probe, labelled as such
-      diagnostic_rows.extend(probe.rows(loss_fn, state.params, ordered_history(state.opt_state),
-                                        state.step, config, probe_batch))
+      rows = probe.rows(  # pyright: ignore[reportOptionalMemberAccess]  # required, checked
+          loss_fn, state.params, ordered_history(state.opt_state), state.step, config, probe_batch)
+      diagnostic_rows.extend(rows)
 
   def after(previous: LoopState, state: LoopState, out) -> None:
     del previous, out
@@ -349,6 +355,8 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
                       "valid_nll": validation_nll(state.params),
                       "seconds": time.perf_counter() - started})
       print(json.dumps(history[-1]), flush=True)
+      if tracker is not None:
+        tracker.scalars(state.step, _lm_scalars(config, history[-1]))
 
   started = time.perf_counter()
   state, _ = run_releases(
@@ -363,14 +371,24 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   results = _lm_results(config, apply, state.params, lm_data, setup, ledger, history,
                         validation_nll, gpt2_config, pretrained, root, train_seconds, memory)
   _write_lm_outputs(config.output_dir, results, history, diagnostic_rows, probe)
+  if tracker is not None:
+    tracker.close()
   return results
+
+
+def _lm_scalars(config: LMTrainConfig, row: dict) -> dict[str, float]:
+  """One history row as TensorBoard scalars, with the (constant) learning rates."""
+  return {**history_tags(row, {"valid_nll": "valid/nll", "epsilon": "privacy/epsilon_spent"}),
+          "train/learning_rate": config.learning_rate,
+          "train/fallback_learning_rate": config.fallback_learning_rate}
 
 
 def _write_lm_outputs(output_dir: str, results: dict, history: list[dict],
                       diagnostic_rows: list[NamedTuple], probe: DiagnosticProbe | None) -> None:
   """results.json, history.csv and (NON-PRIVATE) diagnostics.csv."""
   if diagnostic_rows:
-    results["nonprivate_diagnostics"] = probe.summary(diagnostic_rows)
+    results["nonprivate_diagnostics"] = probe.summary(  # pyright: ignore[reportOptionalMemberAccess]
+        diagnostic_rows)
     write_csv(os.path.join(output_dir, "diagnostics.csv"),
               [r._asdict() for r in diagnostic_rows])
   write_csv(os.path.join(output_dir, "history.csv"), history)

@@ -132,7 +132,8 @@ def _is_key_array(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
   if dtype is None:
     return False
-  return dtype == np.uint32 or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return dtype == np.uint32 or jax.dtypes.issubdtype(  # pyright: ignore[reportPrivateImportUsage]
+      dtype, jax.dtypes.prng_key)
 
 
 def _check_certificate(tree: Any, where: str = "certificate") -> None:
@@ -287,7 +288,7 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
       "rule": "flat_clip",
       "l2_clip_norm": config.get("clip", ledger.config.l2_clip_norm),
   }
-  model = {"step": checkpoint.step}
+  model: dict[str, Any] = {"step": checkpoint.step}
   if "model" in config:
     model["architecture"] = config["model"]
     model["overrides"] = config.get("model_overrides") or {}

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,14 @@ from dpmuon_jax.distributed.mesh import (
     data_mesh,
     shard_batch,
     sharded_capacity,
+)
+from dpmuon_jax.distributed.multihost import (
+    agree_on_root,
+    check_same_everywhere,
+    is_multi_process,
+    is_primary,
+    replicate,
+    sync,
 )
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.optimizers import registry as optimizer_registry
@@ -59,6 +67,7 @@ from dpmuon_jax.training.journal import JournalEntry, append_entry, plan_resume,
 from dpmuon_jax.training.loop import BUDGET, COMPLETED, Hooks, LoopState, run_releases
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import PrivateStep, make_private_step
+from dpmuon_jax.training.tracking import MissingExtraError, history_tags, tensorboard_writer
 
 PyTree = Any
 
@@ -108,6 +117,7 @@ class TrainConfig:
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"groups": 8}
   init_weights: str | None = None  # msgpack of a params dict (flax.serialization); None: scratch
   secure_noise: bool = False  # exact discrete Gaussian noise from OS entropy (one device)
+  log_dir: str | None = None  # TensorBoard event files (the tensorboard extra); None: none
 
   def privacy_config(self, dataset_size: int) -> dict:
     """What must not change between a checkpoint and its resumption."""
@@ -262,7 +272,7 @@ _FINISHED = ("completed", "budget")
 # TrainConfig fields that change neither the clipped sums nor the trajectory.
 _NOT_FINGERPRINTED = (
     "output_dir", "resume", "progress", "plot", "eval_every", "checkpoint_every",
-    "max_steps", "log_clip_stats",
+    "max_steps", "log_clip_stats", "log_dir",
 )
 
 
@@ -281,6 +291,8 @@ def run_fingerprint(config: TrainConfig, data: ImageDataset) -> str:
     digest.update(f"{array.dtype}{array.shape}".encode())
     digest.update(array.tobytes())
   digest.update(f"{jax.__version__} {jax.default_backend()} {_library_version()}".encode())
+  if is_multi_process():  # another summation order: a release would not replay bit for bit
+    digest.update(f"processes={jax.process_count()} devices={jax.device_count()}".encode())
   return digest.hexdigest()
 
 
@@ -352,15 +364,28 @@ class _Run(NamedTuple):
   end: int
 
 
-def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
-  """Model, private setup (σ, sampler, release, ledger), optimizer and jitted step."""
+def _num_devices(config: TrainConfig) -> int:
+  """``--devices`` (default 1); with several processes, every device of every process."""
+  if is_multi_process():
+    if config.devices not in (None, jax.device_count()):
+      raise TrainingError(
+          f"--devices {config.devices}: the mesh of {jax.process_count()} processes spans all "
+          f"their {jax.device_count()} devices; leave --devices out or pass {jax.device_count()}."
+      )
+    return jax.device_count()
   num_devices = config.devices or 1
   if num_devices > jax.device_count():
     raise TrainingError(
         f"--devices {num_devices}: only {jax.device_count()} device(s) are available."
     )
+  return num_devices
+
+
+def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
+  """Model, private setup (σ, sampler, release, ledger), optimizer and jitted step."""
+  num_devices = _num_devices(config)
   model, loss_fn = model_and_loss(
-      config.model, data.num_classes, data.image_shape, seed=config.model_seed,
+      config.model, cast(int, data.num_classes), data.image_shape, seed=config.model_seed,
       **config.model_overrides,
   )
   setup = make_private(
@@ -434,7 +459,10 @@ def _starting_point(run: _Run, ckpt_dir, metadata, resume_step):
     return params, opt_state, 0, []
   restored = restore_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}),
                                 resume_step)
-  return restored.params, restored.opt_state, restored.step, metadata["history"]
+  params, opt_state = restored.params, restored.opt_state
+  if is_multi_process():  # each process read its own copy: one replicated state on the mesh
+    params, opt_state = replicate(data_mesh(), (params, opt_state))
+  return params, opt_state, restored.step, metadata["history"]
 
 
 def _plan_keys(config, run: _Run, ledger, journal_path, fingerprint, start, metadata, root):
@@ -467,8 +495,9 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   ckpt_dir = os.path.join(config.output_dir, "checkpoints")
   journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
   resume_step, metadata = _resume_point(config, ckpt_dir, journal_path, data.num_train)
-  root = root_key(config.seed) if metadata is None else RootKey(
-      jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"])
+  # Several processes: process 0's root everywhere (and a barrier: all have read the run dir).
+  root = agree_on_root(root_key(config.seed) if metadata is None else RootKey(
+      jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
   run = _build_run(config, data, root)
   ledger = _resumed_ledger(run, metadata)
   if metadata is not None and metadata.get("stop_reason") in _FINISHED:
@@ -476,16 +505,20 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
   fingerprint = run_fingerprint(config, data)
   plan = _plan_keys(config, run, ledger, journal_path, fingerprint, start, metadata, root)
+  check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
   state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
 
   def save(state: LoopState, stop: str | None = None) -> None:
     meta = _metadata(config, data, run, root, ledger, state.key_index, stop, history)
-    save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
+    if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
+      save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
 
-  bar = _progress(run.end, start, config.progress)
+  bar = _progress(run.end, start, config.progress and is_primary())
+  tracker = _open_tracker(config.log_dir if is_primary() else None, start)
   hooks = Hooks(
-      before=lambda s: append_entry(journal_path, JournalEntry(s.step, s.key_index, fingerprint)),
-      after=_after_release(config, run, ledger, history, bar, save),
+      before=(lambda s: append_entry(journal_path, JournalEntry(s.step, s.key_index, fingerprint)))
+      if is_primary() else None,
+      after=_after_release(config, run, ledger, history, bar, save, tracker),
   )
   started = time.perf_counter()
   state, stop_reason = run_releases(
@@ -504,11 +537,39 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   if bar is not None:
     bar.close()
   save(state, stop_reason)
-  return _finish(config, run, ledger, history, state, stop_reason,
-                 time.perf_counter() - started, start, root.seeded)
+  results = _finish(config, run, ledger, history, state, stop_reason,
+                    time.perf_counter() - started, start, root.seeded)
+  _close_tracker(tracker, history)
+  return results
 
 
-def _after_release(config, run: _Run, ledger, history, bar, save) -> Callable:
+# History columns -> TensorBoard tags; ``nonprivate_*`` columns go under ``nonprivate/``.
+TRACKED = {"test_loss": "test/loss", "test_accuracy": "test/accuracy",
+           "epsilon": "privacy/epsilon_spent", "learning_rate": "train/learning_rate",
+           "epoch": "train/epoch"}
+
+
+def _open_tracker(log_dir: str | None, start: int):
+  """The run's TensorBoard writer (``None`` without ``--log-dir``).
+
+  Resumed from step ``start``, it first drops what an interrupted run logged after it.
+  """
+  try:
+    return tensorboard_writer(log_dir, purge_step=start + 1 if start else None)
+  except MissingExtraError as error:
+    raise TrainingError(str(error)) from None
+
+
+def _close_tracker(tracker, history: list[dict]) -> None:
+  """Writes the final evaluation when the hook did not, and closes the event files."""
+  if tracker is None:
+    return
+  if history and history[-1]["step"] != tracker.last_step:
+    tracker.scalars(history[-1]["step"], history_tags(history[-1], TRACKED))
+  tracker.close()
+
+
+def _after_release(config, run: _Run, ledger, history, bar, save, tracker=None) -> Callable:
   """Evaluates, logs and checkpoints after a release (the loop's ``after`` hook)."""
   eval_every = config.eval_every or run.steps_per_epoch
   checkpoint_every = config.checkpoint_every or run.steps_per_epoch
@@ -520,11 +581,13 @@ def _after_release(config, run: _Run, ledger, history, bar, save) -> Callable:
       test_loss, test_acc = run.evaluate(state.params)
       record = {"step": done, "epoch": done / run.steps_per_epoch, "epsilon": ledger.epsilon(),
                 "test_loss": test_loss, "test_accuracy": test_acc,
-                "learning_rate": float(run.schedule(done))}
+                "learning_rate": float(np.asarray(run.schedule(done)))}
       if config.log_clip_stats:
         record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
         record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
       history.append(record)
+      if tracker is not None:
+        tracker.scalars(done, history_tags(record, TRACKED))
       if bar is not None:
         bar.set_postfix(loss=f"{test_loss:.3f}", acc=f"{test_acc:.3f}",
                         eps=f"{record['epsilon']:.2f}")
@@ -546,8 +609,11 @@ def _finish(config, run: _Run, ledger, history, state: LoopState, stop_reason, e
                     "test_accuracy": test_acc})
   results = _results(config, run.setup, ledger, history, stop_reason, elapsed,
                      state.step - start, run.steps_per_epoch, seeded)
-  results["export"] = export_run(config.output_dir)  # parameters + certificate, no secrets
-  _write_outputs(config.output_dir, results, history, config.plot)
+  results["export"] = os.path.abspath(os.path.join(config.output_dir, "export"))
+  if is_primary():
+    results["export"] = export_run(config.output_dir)  # parameters + certificate, no secrets
+    _write_outputs(config.output_dir, results, history, config.plot)
+  sync("dpmuon train: outputs written")  # several processes: none returns before they exist
   return results
 
 

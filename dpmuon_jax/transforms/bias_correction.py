@@ -133,8 +133,8 @@ def scale_by_bias_corrected_orthogonalization(
     num_samples: Monte-Carlo draws of Z per step (pairs ±Z if ``antithetic``);
       cost: 1 + num_samples·(2 if antithetic else 1) Newton–Schulz calls.
     antithetic: use ±Z pairs.
-    ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision,
-      max_aspect_ratio: as in :func:`dpmuon_jax.scale_by_orthogonalization`,
+    ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, max_aspect_ratio: as
+      in :func:`dpmuon_jax.scale_by_orthogonalization`,
       except the default coefficients: :data:`KIM_FAN_NS_COEFFS` (see above).
   """
   checks.check_nonnegative("noise_std", noise_std)
@@ -218,7 +218,7 @@ def scale_by_adam_bc(
     del params
     mu = optax.tree.update_moment(updates, state.mu, b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
-    count = optax.safe_increment(state.count)
+    count: jax.Array = optax.safe_increment(state.count)  # pyright: ignore[reportAssignmentType]
     mu_hat = optax.tree.bias_correction(mu, b1, count)
     nu_hat = optax.tree.bias_correction(nu, b2, count)
     out = jax.tree.map(

@@ -231,8 +231,8 @@ def scale_by_muon_s(
       learning rates do not transfer between the two.
     power_iterations: warm-started iterations per step for σ₁.
     exact_svd: compute σ₁ by SVD instead (for checks; slow on large layers).
-    ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision,
-      mu_dtype: as in :func:`scale_by_muon`.
+    ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, mu_dtype: as in
+      :func:`scale_by_muon`.
   """
   return optax.chain(
       muon_momentum(beta, False, buffer, mu_dtype),

@@ -177,7 +177,7 @@ def shrink_singular_values(
   """
   _check_options(method, output)
   shape = x.shape
-  beta = aspect_beta(shape)
+  beta = aspect_beta(shape)  # pyright: ignore[reportArgumentType]  # x is a matrix
   compute = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   u, s, vt = jnp.linalg.svd(compute, full_matrices=False)
   unit = math.sqrt(max(shape)) * noise_std

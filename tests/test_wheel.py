@@ -1,0 +1,119 @@
+"""The package a user installs: build the sdist and the wheel from it, install the wheel
+into a fresh virtual environment and run the ``dpmuon`` command from outside the checkout.
+
+The environment reuses the installed dependencies (``--system-site-packages``)
+but gets its own copy of ``dpmuon_jax`` from the wheel (``--no-deps
+--force-reinstall``); the test checks that this copy, not the checkout, is
+the one imported.
+"""
+
+import email
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import pytest
+
+import dpmuon_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VERSION = dpmuon_jax.__version__
+
+
+def _env() -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _run(args, cwd, timeout=300) -> subprocess.CompletedProcess:
+  result = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+  assert result.returncode == 0, f"{args}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+  return result
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> pathlib.Path:
+  """The sdist, and the wheel built from the unpacked sdist (so the sdist is complete)."""
+  out = tmp_path_factory.mktemp("dist")
+  # No isolation: setuptools and build come with the dev extra, nothing is downloaded.
+  _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+       cwd=out)
+  return out
+
+
+@pytest.fixture(scope="module")
+def venv(dist, tmp_path_factory) -> pathlib.Path:
+  """A fresh environment with the wheel installed; returns its ``bin`` folder."""
+  home = tmp_path_factory.mktemp("venv")
+  _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(home)],
+       cwd=home)
+  (wheel,) = dist.glob("*.whl")
+  _run([sys.executable, "-m", "pip", "--python", str(home / "bin" / "python"), "install",
+        "--no-deps", "--force-reinstall", "--no-index", "--quiet", str(wheel)], cwd=home)
+  return home / "bin"
+
+
+def test_the_wheel_ships_the_package_typed_and_nothing_else(dist):
+  (wheel,) = dist.glob("*.whl")
+  assert wheel.name == f"dpmuon_jax-{VERSION}-py3-none-any.whl"
+  with zipfile.ZipFile(wheel) as archive:
+    names = archive.namelist()
+    metadata = email.message_from_bytes(
+        archive.read(f"dpmuon_jax-{VERSION}.dist-info/METADATA"))
+  assert "dpmuon_jax/py.typed" in names
+  assert "dpmuon_jax/training/trainer.py" in names
+  tops = {name.split("/")[0] for name in names}
+  assert tops == {"dpmuon_jax", f"dpmuon_jax-{VERSION}.dist-info"}, tops
+  assert metadata["Version"] == VERSION
+  assert metadata["License-Expression"] == "Apache-2.0"
+  extras = metadata.get_all("Provides-Extra")
+  assert {"train", "tensorboard"} <= set(extras)
+
+
+def test_the_sdist_has_the_sources_the_wheel_was_built_from(dist):
+  (sdist,) = dist.glob("*.tar.gz")
+  assert sdist.name == f"dpmuon_jax-{VERSION}.tar.gz"
+  with tarfile.open(sdist) as archive:
+    names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+  assert {"pyproject.toml", "README.md", "dpmuon_jax/py.typed",
+          "dpmuon_jax/__init__.py"} <= names
+
+
+def test_the_installed_wheel_is_what_runs(venv, tmp_path):
+  code = ("import importlib.metadata as m, json, dpmuon_jax; "
+          "print(json.dumps([dpmuon_jax.__file__, dpmuon_jax.__version__, "
+          "m.version('dpmuon-jax'), str(m.distribution('dpmuon-jax').locate_file(''))]))")
+  path, version, metadata_version, location = json.loads(
+      _run([str(venv / "python"), "-c", code], cwd=tmp_path).stdout)
+  home = venv.parent.resolve()
+  assert pathlib.Path(path).resolve().is_relative_to(home), path
+  assert not pathlib.Path(path).resolve().is_relative_to(ROOT)
+  assert pathlib.Path(location).resolve().is_relative_to(home), location
+  assert version == metadata_version == VERSION
+
+
+def test_dpmuon_train_and_account_run_from_the_wheel(venv, tmp_path):
+  out = tmp_path / "run"
+  train = _run([str(venv / "dpmuon"), "train", "--max-steps", "2", "--output-dir", str(out),
+                "--no-progress"], cwd=tmp_path)
+  assert "test accuracy" in train.stdout and "after 2 releases" in train.stdout
+  results = json.loads((out / "results.json").read_text())
+  assert results["releases"] == 2 and 0 < results["epsilon_spent"] < 4.0
+  assert (out / "curves.png").stat().st_size > 0
+
+  account = _run([str(venv / "dpmuon"), "account", "--epsilon", "4", "--delta", "1e-5",
+                  "--sampling-rate", "0.02", "--steps", "100"], cwd=tmp_path)
+  report = json.loads(account.stdout.strip().splitlines()[-1])
+  assert report["epsilon"] == 4 and report["steps"] == 100
+  assert 0.3 < report["sigma"] < 3.0
+
+
+def test_the_changelog_has_an_entry_for_this_version():
+  changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+  assert f"\n## {VERSION}\n" in changelog and "\n## Unreleased\n" in changelog
