@@ -28,6 +28,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from _peak_rss import peak_rss_gib, reset_peak_rss
 
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.models.common import classification_loss
@@ -77,29 +78,16 @@ def time_steps(batch_size: int, microbatch: int, rounds: int) -> dict[str, float
   return {name: min(ts) for name, ts in times.items()}
 
 
-def _reset_peak_rss() -> bool:
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
 
 
-def _peak_rss_gib() -> float:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) / 2**20
-  raise RuntimeError("VmHWM not found")
 
 
 def memory_child(name: str, batch_size: int, microbatch: int) -> None:
   compiled, args = build(name, batch_size, microbatch)
   peak = None
-  if _reset_peak_rss():
+  if reset_peak_rss():
     jax.block_until_ready(compiled(*args))
-    peak = _peak_rss_gib()
+    peak = peak_rss_gib()
   analysis = compiled.memory_analysis()
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(args[1]) if isinstance(x, jnp.ndarray))
   print(json.dumps({

@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from _peak_rss import peak_rss_gib, reset_peak_rss
 from flax import nnx
 
 from dpmuon_jax.models.taps import tapped
@@ -81,27 +82,14 @@ def build(method: str, quick: bool):
   return compiled, args
 
 
-def _reset_peak_rss() -> bool:
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
 
 
-def _peak_rss_gib() -> float:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) / 2**20
-  raise RuntimeError("VmHWM not found")
 
 
 def child(method: str, quick: bool, repeats: int) -> None:
   """Times one configuration; prints its numbers as one JSON line."""
   compiled, args = build(method, quick)
-  reset = _reset_peak_rss()
+  reset = reset_peak_rss()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -110,7 +98,7 @@ def child(method: str, quick: bool, repeats: int) -> None:
   analysis = compiled.memory_analysis()
   print(json.dumps({
       "seconds": min(times),
-      "step_peak_rss_gib": _peak_rss_gib() if reset else None,
+      "step_peak_rss_gib": peak_rss_gib() if reset else None,
       "xla_temp_gib": analysis.temp_size_in_bytes / 2**30 if analysis else None,
   }))
 

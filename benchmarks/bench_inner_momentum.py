@@ -28,6 +28,7 @@ import sys
 import time
 
 import jax
+from _peak_rss import peak_rss_gib, reset_peak_rss
 from flax import nnx
 
 from dpmuon_jax.models.cnn import small_cnn
@@ -84,18 +85,14 @@ def build(name: str, batch_size: int, microbatch: int | None, workload: str = "c
   return compiled, args
 
 
-def _peak_rss_gib() -> float:
-  with open("/proc/self/status") as f:
-    return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("VmHWM:"))
 
 
 def memory_child(name: str, batch_size: int, microbatch: int, workload: str) -> None:
   compiled, args = build(name, batch_size, microbatch or None, workload)
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset VmHWM: measure the step, not compilation
+  reset_peak_rss()  # measure the step, not compilation
   jax.block_until_ready(compiled(*args))
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(args[1]) if hasattr(x, "nbytes"))
-  print(json.dumps({"step_peak_rss_gib": _peak_rss_gib(),
+  print(json.dumps({"step_peak_rss_gib": peak_rss_gib(),
                     "xla_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
                     "opt_state_mib": state_bytes / 2**20}))
 

@@ -34,6 +34,7 @@ import time
 
 import jax
 import optax
+from _peak_rss import peak_rss_gib, reset_peak_rss
 
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.models.common import classification_loss
@@ -103,22 +104,8 @@ def time_steps(configs: dict, rounds: int) -> dict:
   return {name: min(ts) for name, ts in times.items()}
 
 
-def _reset_peak_rss() -> bool:
-  """Resets the kernel's high-water mark VmHWM of this process (Linux ≥ 4.0)."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
 
 
-def _peak_rss_gib() -> float:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) / 2**20
-  raise RuntimeError("VmHWM not found")
 
 
 def memory_child(batch_size: int, microbatch: int) -> None:
@@ -131,11 +118,11 @@ def memory_child(batch_size: int, microbatch: int) -> None:
   compiled, args = build("dp", batch_size, "patches", microbatch or None)
   # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork + exec, so a child's
   # ru_maxrss is at least its parent's peak; VmHWM belongs to the child's own memory map.
-  overall = _peak_rss_gib()
+  overall = peak_rss_gib()
   step_peak = None
-  if _reset_peak_rss():
+  if reset_peak_rss():
     jax.block_until_ready(compiled(*args))
-    step_peak = _peak_rss_gib()
+    step_peak = peak_rss_gib()
   analysis = compiled.memory_analysis()
   print(json.dumps({
       "step_peak_rss_gb": step_peak,
