@@ -169,21 +169,28 @@ def ready_runs(study: Study, rows: list[dict]) -> Iterator[tuple[Arm, float, int
 # Data and one run (in a worker process).
 
 
-def split_data(study: Study, data_dir: str | None):
-  """(train-minus-validation with validation as its eval set, the same with the test set)."""
-  from dpmuon_jax.data.images import ImageDataset
+def load_data(study: Study, data_dir: str | None):
+  """The study's whole dataset (relative ``.npz`` paths are under ``data_dir``)."""
   from dpmuon_jax.data.loaders import load_dataset
 
   spec = study.dataset
   if spec.endswith(".npz") and data_dir and not os.path.isabs(spec):
     spec = os.path.join(data_dir, spec)
-  data = load_dataset(spec, data_dir)
-  n = data.num_train - study.validation_size
-  if n <= 0:
-    raise ValueError(f"validation_size {study.validation_size} leaves no training images.")
-  x, y = data.x_train[:n], data.y_train[:n]
-  with_val = ImageDataset(x, y, data.x_train[n:], data.y_train[n:], data.num_classes, data.name)
-  with_test = ImageDataset(x, y, data.x_test, data.y_test, data.num_classes, data.name)
+  return load_dataset(spec, data_dir)
+
+
+def split_data(study: Study, data_dir: str | None):
+  """(train-minus-validation with validation as its eval set, the same with the test set).
+
+  The validation split is the last ``validation_size`` training examples, as
+  :func:`dpmuon_jax.training.selection.holdout` (and so ``dpmuon tune``) takes it.
+  """
+  from dpmuon_jax.data.images import ImageDataset
+  from dpmuon_jax.training.selection import holdout
+
+  with_test, val_x, val_y = holdout(load_data(study, data_dir), study.validation_size)
+  with_val = ImageDataset(with_test.x_train, with_test.y_train, val_x, val_y,
+                          with_test.num_classes, with_test.name)
   return with_val, with_test
 
 
@@ -211,17 +218,14 @@ def _config(study: Study, arm: Arm, lr: float | None, seed: int, directory: str,
 def tune_one(study: Study, arm: PrivatelyTunedArm, seed: int, out: str, data_dir: str | None,
              max_steps: int | None = None) -> dict:
   """One whole private selection (a seeded rerun after a crash repeats it exactly)."""
-  from dpmuon_jax.data.images import ImageDataset
   from dpmuon_jax.privacy.tuning import truncated_negative_binomial
   from dpmuon_jax.training.selection import TuneOptions, learning_rate_grid, tune_learning_rate
 
-  with_val, with_test = split_data(study, data_dir)
-  full = ImageDataset(np.concatenate([with_val.x_train, with_val.x_test]),
-                      np.concatenate([with_val.y_train, with_val.y_test]), with_test.x_test,
-                      with_test.y_test, with_test.num_classes, with_test.name)
+  full = load_data(study, data_dir)  # tune_learning_rate holds out the same validation split
   directory = run_dir(out, arm, math.nan, seed)
   shutil.rmtree(directory, ignore_errors=True)  # an interrupted selection restarts whole
-  config = _config(study, arm, None, seed, directory, with_val.num_train, False, max_steps)
+  num_train = full.num_train - study.validation_size
+  config = _config(study, arm, None, seed, directory, num_train, False, max_steps)
   options = TuneOptions(
       learning_rate_grid(arm.lr_center, study.grid_points, study.grid_factor),
       truncated_negative_binomial(arm.mean_runs, eta=1.0), study.validation_size,
@@ -278,21 +282,13 @@ def final_params(study: Study, export_dir: str, data):
   return model, loss_fn, load_exported(export_dir, like=model.params).params
 
 
-def evaluate_export(study: Study, export_dir: str, data, batch: int = 1000) -> float:
+def evaluate_export(study: Study, export_dir: str, data) -> float:
   """Accuracy of the exported parameters on ``data``'s evaluation split."""
-  import jax
-  import jax.numpy as jnp
-
-  from dpmuon_jax.data.images import normalize
+  from dpmuon_jax.training.trainer import evaluation_fn
 
   model, _, params = final_params(study, export_dir, data)
-  info = data.info
-  predict = jax.jit(lambda p, x: jnp.argmax(model.apply(p, normalize(x, info.mean, info.std)), -1))
-  correct = 0
-  for start in range(0, data.num_test, batch):
-    images, labels = data.x_test[start:start + batch], data.y_test[start:start + batch]
-    correct += int(np.sum(np.asarray(predict(params, jnp.asarray(images))) == labels))
-  return correct / data.num_test
+  _, accuracy = evaluation_fn(model.apply, data.info, data.x_test, data.y_test)(params)
+  return accuracy
 
 
 # ---------------------------------------------------------------------------

@@ -35,14 +35,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dpmuon_jax import checks
-from dpmuon_jax.data.images import ImageDataset, normalize
+from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.accounting import compute_epsilon
 from dpmuon_jax.privacy.tuning import (
@@ -57,7 +55,7 @@ from dpmuon_jax.privacy.tuning import (
     private_tune,
 )
 from dpmuon_jax.training.export import load_exported
-from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
+from dpmuon_jax.training.trainer import TrainConfig, TrainingError, evaluation_fn, train
 
 SUMMARY_FILE = "tuning.json"
 SELECTED_DIR = "selected_run"
@@ -133,20 +131,6 @@ def _plan(config: TrainConfig, train_part: ImageDataset, options: TuneOptions) -
   return _Plan(RunPrivacy(sigma, q, steps), score, compute_epsilon(sigma, q, steps, config.delta))
 
 
-def _accuracy(apply: Callable, params: Any, images: np.ndarray, labels: np.ndarray,
-              info, chunk: int = 500) -> float:
-  """The fraction of ``images`` whose argmax prediction is their label."""
-
-  @jax.jit
-  def correct(params, x, y):
-    logits = apply(params, normalize(x, info.mean, info.std))
-    return jnp.sum(jnp.argmax(logits, -1) == y)
-
-  total = sum(int(correct(params, images[i:i + chunk], labels[i:i + chunk]))
-              for i in range(0, len(labels), chunk))
-  return total / len(labels)
-
-
 def _train_fn(config: TrainConfig, train_part: ImageDataset,
               validation: tuple[np.ndarray, np.ndarray], plan: _Plan, runs_dir: str) -> Callable:
   """One private run for a learning rate: (validation accuracy, its run record)."""
@@ -165,7 +149,7 @@ def _train_fn(config: TrainConfig, train_part: ImageDataset,
         or results["sampling_rate"] != plan.run.sampling_rate):
       raise RuntimeError(f"A tuning run released more than accounted for: {results}.")
     params = load_exported(results["export"], like=model.params).params
-    accuracy = _accuracy(model.apply, params, validation[0], validation[1], train_part.info)
+    _, accuracy = evaluation_fn(model.apply, train_part.info, *validation)(params)
     return accuracy, {"dir": run_dir, "learning_rate": learning_rate, "results": results}
 
   return train_fn

@@ -208,8 +208,13 @@ def _make_batch_fn(data: ImageDataset, use_augment: bool) -> Callable:
   return batch_fn
 
 
-def _make_eval_fn(apply, data: ImageDataset, eval_batch: int = 500) -> Callable:
-  info = data.info
+def evaluation_fn(apply, info, images: np.ndarray, labels: np.ndarray,
+                  eval_batch: int = 500) -> Callable[[PyTree], tuple[float, float]]:
+  """``evaluate(params) -> (mean cross-entropy, accuracy)`` on ``images``, ``labels``.
+
+  Images are normalised with ``info``'s public constants; fixed-size padded
+  chunks, so one compilation serves every call.
+  """
 
   @jax.jit
   def batch_metrics(params, images, labels, mask):
@@ -219,13 +224,13 @@ def _make_eval_fn(apply, data: ImageDataset, eval_batch: int = 500) -> Callable:
     return jnp.sum(jnp.where(mask, loss, 0.0)), jnp.sum(mask & correct)
 
   def evaluate(params) -> tuple[float, float]:
-    n = data.num_test
+    n = len(labels)
     total_loss, total_correct = 0.0, 0
     for start in range(0, n, eval_batch):
       idx = np.arange(start, start + eval_batch)
       mask = idx < n
       idx = np.where(mask, idx, 0)
-      loss, correct = batch_metrics(params, data.x_test[idx], data.y_test[idx], mask)
+      loss, correct = batch_metrics(params, images[idx], labels[idx], mask)
       total_loss += float(loss)
       total_correct += int(correct)
     return total_loss / n, total_correct / n
@@ -417,7 +422,8 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
     return chunks
 
   end = setup.steps if config.max_steps is None else min(setup.steps, config.max_steps)
-  return _Run(setup, optimizer, schedule, step_fn, to_chunks, _make_eval_fn(model.apply, data),
+  evaluate = evaluation_fn(model.apply, data.info, data.x_test, data.y_test)
+  return _Run(setup, optimizer, schedule, step_fn, to_chunks, evaluate,
               _initial_params(model.params, config.init_weights),
               max(1, round(1 / setup.sampler.sampling_rate)), end)
 
