@@ -55,6 +55,8 @@ def test_resume_continues_bit_for_bit_and_refuses_changed_privacy(tmp_path, tiny
     train(_config(tmp_path, "part", resume=True, batch_size=8), tiny_data)
   with pytest.raises(TrainingError, match="Refusing to resume"):
     train(_config(tmp_path, "part", resume=True, noise_multiplier=2.0), tiny_data)
+  with pytest.raises(TrainingError, match="Refusing to resume.*clipping"):
+    train(_config(tmp_path, "part", resume=True, clipping="per_layer"), tiny_data)
   with pytest.raises(TrainingError, match="already holds a run"):
     train(_config(tmp_path, "part"), tiny_data)
 
