@@ -83,7 +83,7 @@ def gap_rows(summary: list[dict], baseline: str = "dp_sgd") -> list[dict]:
     b = base.get((s["batch_size"], s["label"]))
     if s["label"] == PRIVATE_LABEL:
       b = same.get((s["optimizer"], s["batch_size"]))
-    if b is None or b is s or not (s["seeds"] and b["seeds"]):
+    if b is None or b is s or min(s["seeds"], b["seeds"]) < 2:  # no spread from one seed
       continue
     se = math.sqrt(_var(s) / s["seeds"] + _var(b) / b["seeds"])
     out.append({"batch_size": s["batch_size"], "label": s["label"], "arm": s["arm"],
