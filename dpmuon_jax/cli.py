@@ -65,6 +65,21 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _add_clipping_arguments(train) -> None:
+  """How each example is clipped and how the clipped sum is computed."""
+  train.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C")
+  train.add_argument("--clipping", choices=("flat", "per_layer", "automatic",
+                                            "automatic_per_layer"), default="flat",
+                     help="how each example is scaled to norm ≤ C: one flat clip, per layer "
+                     "(C/√L each), automatic (C·g/(‖g‖+0.01)), or automatic per layer")
+  train.add_argument("--microbatch-size", type=_positive_int, default=None,
+                     help="accumulate per-example gradients in chunks (flat memory)")
+  train.add_argument("--clipped-sum-method", choices=("vmap", "ghost", "automatic"),
+                     default="vmap", help="vmap: per-example gradients; ghost: ghost norms "
+                     "and one weighted backward pass (same sum and sensitivity, less memory); "
+                     "automatic: ghost when every weight matrix is covered")
+
+
 def _add_train(sub) -> None:
   from dpmuon_jax.data.loaders import TFDS_NAMES
   from dpmuon_jax.models.registry import MODEL_NAMES
@@ -94,7 +109,7 @@ def _add_train(sub) -> None:
   train.add_argument("--epochs", type=float, default=10.0)
   train.add_argument("--lr", dest="learning_rate", type=float, default=None,
                      help="peak learning rate (default: the optimizer's paper preset)")
-  train.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C")
+  _add_clipping_arguments(train)
   train.add_argument("--noise-multiplier", type=float, default=None,
                      help="fix σ instead of calibrating it; the run stops before ε "
                      "would exceed --epsilon")
@@ -103,8 +118,6 @@ def _add_train(sub) -> None:
                      "default: OS entropy")
   train.add_argument("--output-dir", default="runs/dpmuon")
   train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-  train.add_argument("--microbatch-size", type=_positive_int, default=None,
-                     help="accumulate per-example gradients in chunks (flat memory)")
   train.add_argument("--augment", action="store_true", help="random crop and flip per example")
   train.add_argument("--max-steps", type=_positive_int, default=None,
                      help="stop after this many steps (smoke runs)")
@@ -271,6 +284,8 @@ def _add_run_arguments(parser, epochs: float, batch_size: int, output_dir: str) 
   parser.add_argument("--epochs", type=float, default=epochs)
   parser.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C")
   parser.add_argument("--microbatch-size", type=_positive_int, default=None)
+  parser.add_argument("--clipped-sum-method", choices=("vmap", "ghost", "automatic"),
+                      default="vmap", help="as for dpmuon train")
   parser.add_argument("--max-steps", type=_positive_int, default=None,
                       help="stop each run after this many steps (smoke runs)")
   parser.add_argument("--output-dir", default=output_dir)
@@ -349,7 +364,8 @@ def _run_config(args: argparse.Namespace, **fields):
   return TrainConfig(
       model=args.model, dataset=args.dataset, data_dir=args.data_dir, epsilon=args.epsilon,
       delta=args.delta, batch_size=args.batch_size, epochs=args.epochs, clip=args.clip,
-      microbatch_size=args.microbatch_size, max_steps=args.max_steps,
+      microbatch_size=args.microbatch_size, clipped_sum_method=args.clipped_sum_method,
+      max_steps=args.max_steps,
       output_dir=args.output_dir, progress=False, **fields)
 
 

@@ -91,3 +91,41 @@ def test_bad_arguments_in_a_real_process_print_no_traceback(tmp_path):
   assert proc.returncode != 0
   assert "Traceback" not in proc.stderr
   assert "--epsilon must be > 0" in proc.stderr
+
+
+def test_ghost_clipping_trains_the_same_model_as_per_example_gradients(tmp_path):
+  """Same seed, same releases: --clipped-sum-method ghost (a tapped CNN, per-layer
+  clipping) ends where vmap does, to float rounding; the noise is the same draw."""
+  import jax
+
+  from dpmuon_jax.training.export import load_exported
+
+  finals = {}
+  for method in ("vmap", "ghost"):
+    out = tmp_path / method
+    assert main(["train", "--max-steps", "3", "--seed", "1", "--batch-size", "64",
+                 "--clipping", "per_layer", "--clipped-sum-method", method,
+                 "--output-dir", str(out), "--no-progress", "--no-plot"]) == 0
+    finals[method] = load_exported(str(out / "export")).params
+  for a, b in zip(jax.tree.leaves(finals["vmap"]), jax.tree.leaves(finals["ghost"]),
+                  strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_cli_choices_are_the_library_names():
+  from dpmuon_jax.cli import _parser
+  from dpmuon_jax.privacy.clipping import CLIPPING_STYLES
+  from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
+
+  train = _parser()._subparsers._group_actions[0].choices["train"]
+  choices = {a.dest: a.choices for a in train._actions}
+  assert tuple(choices["clipping"]) == CLIPPING_STYLES
+  assert tuple(choices["clipped_sum_method"]) == CLIPPED_SUM_METHODS
+
+
+def test_secure_noise_with_ghost_clipping_is_refused_in_one_line(tmp_path, capsys):
+  code = main(["train", "--secure-noise", "--clipped-sum-method", "ghost", "--max-steps", "1",
+               "--output-dir", str(tmp_path / "s"), "--no-progress", "--no-plot"])
+  assert code != 0
+  err = capsys.readouterr().err
+  assert "--clipped-sum-method vmap" in err and "Traceback" not in err

@@ -1,5 +1,11 @@
 """Ghost clipping gives the vmap path's clipped sum, norms and stats, and the same sensitivity."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,22 +15,33 @@ from flax import nnx
 from dpmuon_jax.models.cnn import SmallCNN
 from dpmuon_jax.models.common import classification_loss, pure_model
 from dpmuon_jax.models.taps import TappedEmbed, tapped, tapped_model
-from dpmuon_jax.optimizers import dp_sgd
+from dpmuon_jax.optimizers import dp_disk_sgd, dp_muon_im, dp_sgd
 from dpmuon_jax.privacy.clipping import (
-    Clipping,
-    automatic_clipping,
-    flat_clipping,
-    flat_norm,
-    per_layer_clipping,
+  Clipping,
+  automatic_clipping,
+  flat_clipping,
+  flat_norm,
+  per_layer_clipping,
+)
+from dpmuon_jax.privacy.disk_query import (
+  DISK_PRESETS,
+  disk_points,
+  disk_query,
+  disk_terms,
+  disk_weight,
 )
 from dpmuon_jax.privacy.ghost import (
-    ghost_clipped_sum,
-    ghost_coverage,
-    ghost_inner_momentum_sum,
-    ghost_norms,
-    resolve_method,
+  ghost_clipped_sum,
+  ghost_coverage,
+  ghost_norms,
+  ghost_query_sum,
+  resolve_method,
 )
-from dpmuon_jax.privacy.inner_momentum import InnerMomentumInputs, grouped_inner_momentum_query
+from dpmuon_jax.privacy.inner_momentum import (
+  InnerMomentumInputs,
+  grouped_inner_momentum_query,
+  inner_momentum_terms,
+)
 from dpmuon_jax.privacy.query import clipped_sum, gradient_query
 from dpmuon_jax.text.gpt2 import GPT2, GPT2Config, gpt2_model, lm_loss
 from dpmuon_jax.training.step import make_private_step
@@ -247,7 +264,7 @@ def test_private_step_with_ghost_gives_the_vmap_update(gpt2):
     outs[method] = step(params, opt.init(params), [(batch, mask)])
   _assert_trees_close(outs["ghost"].params, outs["vmap"].params)
   assert float(outs["ghost"].stats.num_examples) == 5.0
-  with pytest.raises(ValueError, match="gradient query"):
+  with pytest.raises(ValueError, match="custom query needs 'vmap'"):
     make_private_step(opt, query=gradient_query(loss_fn), clipped_sum_method="ghost")
   with pytest.raises(ValueError, match="clipped_sum_method"):
     make_private_step(opt, loss_fn, clipped_sum_method="fast")
@@ -282,7 +299,7 @@ def test_inner_momentum_ghost_matches_vmap_with_cross_terms_between_states(gpt2)
   inputs = InnerMomentumInputs(params, ParamHistoryState(states, jnp.asarray(count, jnp.int32)))
   in_muon = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
   query = grouped_inner_momentum_query(loss_fn, in_muon, 2, 0.5, 1, 0.7)
-  ghost = ghost_inner_momentum_sum(loss_fn, in_muon, 2, 0.5, 1, 0.7)
+  ghost = ghost_query_sum(loss_fn, inner_momentum_terms(in_muon, 2, 0.5, 1, 0.7))
   norms = jax.jit(lambda i: jax.vmap(lambda ex: flat_norm(query(i, ex)))(batch))(inputs)
   clip = float(jnp.median(norms))
   mask = jnp.array([True, True, False, True, True, True])
@@ -292,3 +309,121 @@ def test_inner_momentum_ghost_matches_vmap_with_cross_terms_between_states(gpt2)
   _assert_trees_close(got.total, want.total)
   for g, w in zip(got.stats, want.stats, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["paper2", "paper1"])
+def test_disk_two_point_ghost_matches_vmap(gpt2, preset):
+  """q_i = c ∇ℓ(θ + γd; x_i) + (1 − c) ∇ℓ(θ; x_i) clipped as one vector. paper2's
+  κ = 0.5, γ = 0.8 gives c = 1.25, so the current point's weight 1 − c is NEGATIVE
+  and the cross terms between the two points enter with a minus sign; paper1's
+  κ = 1.5, γ = −1 extrapolates backwards with c = 1/3."""
+  kappa, gamma = DISK_PRESETS[preset]
+  assert preset != "paper2" or disk_weight(kappa, gamma) > 1
+  _, apply, params, batch = gpt2
+  loss_fn = lm_loss(apply)
+  keys = iter(jax.random.split(jax.random.key(4), 100))
+  update = jax.tree.map(lambda p: 0.1 * jax.random.normal(next(keys), p.shape), params)
+  inputs = disk_points(params, update, gamma)
+  query = disk_query(loss_fn, kappa, gamma)
+  norms = jax.jit(lambda i: jax.vmap(lambda ex: flat_norm(query(i, ex)))(batch))(inputs)
+  clip = float(jnp.median(norms))
+  mask = jnp.array([True, False, True, True, True, True])
+  want = jax.jit(lambda i: clipped_sum(query, i, batch, mask, clip))(inputs)
+  ghost = ghost_query_sum(loss_fn, disk_terms(kappa, gamma))
+  got = jax.jit(lambda i: ghost(i, batch, mask, clip, 3))(inputs)  # in 2 microbatches
+  assert 0 < float(got.stats.num_clipped) < 5
+  _assert_trees_close(got.total, want.total)
+  for g, w in zip(got.stats, want.stats, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4)
+
+
+def test_disk_ghost_sensitivity_with_a_negative_weight(gpt2):
+  """Adding one example (however large its two gradients) moves the ghost sum by ≤ C."""
+  kappa, gamma = DISK_PRESETS["paper2"]
+  _, apply, params, batch = gpt2
+  weighted = lambda p, b: lm_loss(apply)(p, b) * (1.0 + 1e4 * b["big"][0])
+  batch = dict(batch, big=jnp.array([0, 0, 0, 1, 0, 0], jnp.float32))
+  update = jax.tree.map(lambda p: 0.05 * jnp.ones_like(p), params)
+  inputs = disk_points(params, update, gamma)
+  ghost = jax.jit(lambda m: ghost_query_sum(weighted, disk_terms(kappa, gamma))(
+      inputs, batch, m, 0.5))
+  with_it = ghost(jnp.ones(6, bool))
+  without = ghost(jnp.array([True, True, True, False, True, True]))
+  assert float(with_it.stats.num_clipped) >= 1
+  assert _l2(with_it.total, without.total) <= 0.5 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["dp_disk_sgd", "dp_muon_im"])
+def test_private_steps_of_every_query_match_vmap_with_ghost(gpt2, optimizer):
+  """Three releases, so DiSK's applied update and inner momentum's history are
+  non-zero when the ghost path reads them from the optimizer state."""
+  _, apply, params, batch = gpt2
+  loss_fn = lm_loss(apply)
+  make = {
+      "dp_disk_sgd": lambda: dp_disk_sgd(0.3, 0.1, 1.0, 6.0, key=3,
+                                         **DISK_PRESETS["paper2"]._asdict()),
+      "dp_muon_im": lambda: dp_muon_im(0.02, 0.1, 1.0, 6.0, key=3, history=2, decay=0.5),
+  }[optimizer]
+  mask = jnp.array([True, True, True, True, False, True])
+  final = {}
+  for method in ("vmap", "ghost"):
+    opt = make()
+    step = make_private_step(opt, loss_fn, clipped_sum_method=method)
+    p, s = params, opt.init(params)
+    for _ in range(3):
+      out = step(p, s, [(batch, mask)])
+      p, s = out.params, out.opt_state
+    final[method] = p
+  assert _l2(final["vmap"], params) > 1e-3
+  _assert_trees_close(final["ghost"], final["vmap"], rtol=2e-4)
+
+
+_MESH_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp
+    from flax import nnx
+    from dpmuon_jax.distributed.mesh import data_mesh
+    from dpmuon_jax.models.taps import tapped
+    from dpmuon_jax.optimizers import dp_muon_im
+    from dpmuon_jax.text.gpt2 import GPT2, GPT2Config, gpt2_model, lm_loss
+    from dpmuon_jax.training.step import make_private_step
+
+    config = GPT2Config(vocab_size=23, max_positions=16, dim=8, num_layers=1, num_heads=2)
+    apply, params = gpt2_model(tapped(GPT2(config, rngs=nnx.Rngs(0))))
+    loss_fn = lm_loss(apply)
+    tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, 23)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((8, 12), jnp.int32)}
+    mask = jnp.array([True] * 5 + [False] + [True] * 2)
+
+    def run(**kw):
+      opt = dp_muon_im(0.02, 0.1, 1.0, 7.0, key=3, history=2)
+      step = make_private_step(opt, loss_fn, **kw)
+      p, s = params, opt.init(params)
+      for _ in range(2):
+        out = step(p, s, [(batch, mask)])
+        p, s = out.params, out.opt_state
+      return p
+
+    single = run(clipped_sum_method="vmap")
+    mesh = run(clipped_sum_method="ghost", mesh=data_mesh(4), microbatch_size=1)
+    diff = max(float(jnp.max(jnp.abs(a - b)))
+               for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(mesh)))
+    moved = max(float(jnp.max(jnp.abs(a - b)))
+                for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(params)))
+    print("RESULT" + json.dumps({"devices": jax.device_count(), "diff": diff, "moved": moved}))
+    """)
+
+
+def test_ghost_inner_momentum_on_a_four_device_mesh_matches_one_device_vmap():
+  """Each device ghost-clips its rows (in microbatches of 1), the sums are added once:
+  two DP-Muon-IM releases equal the single-device vmap path's."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+  result = json.loads(line[len("RESULT"):])
+  assert result["devices"] == 4
+  assert result["moved"] > 1e-3
+  assert result["diff"] < 1e-4 * result["moved"] + 1e-6

@@ -90,11 +90,24 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
     assert json.load(f)["releases"] == 3
 
 
+@needs_text_data
+def test_ghost_clipping_gives_the_same_inner_momentum_run(tmp_path):
+  """DP-Muon-IM with clipped_sum_method='ghost' (a tapped GPT-2, the query over θ_t and
+  θ_{t−1} ghost-clipped with its cross terms) matches the vmap run's validation NLL."""
+  nll = {}
+  for method in ("vmap", "ghost"):
+    config = _tiny_config(tmp_path / method, clipped_sum_method=method, generate_splits=())
+    nll[method] = train_lm(config)["valid_nll"]
+  assert nll["ghost"] == pytest.approx(nll["vmap"], rel=1e-4)
+
+
 def test_bad_settings_are_refused(tmp_path):
   with pytest.raises(ValueError, match="dp_muon_im"):
     train_lm(_tiny_config(tmp_path, optimizer="dp_muon", diagnostic_steps=(1,)))
   with pytest.raises(ValueError, match="multiple of microbatch_size"):
     train_lm(_tiny_config(tmp_path, capacity=20))
+  with pytest.raises(ValueError, match="clipped_sum_method"):
+    train_lm(_tiny_config(tmp_path, clipped_sum_method="fast"))
   with pytest.raises(ValueError, match="Unknown optimizer"):
     lm_optimizer(_tiny_config(tmp_path, optimizer="dp_sgd"),
                  {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "denominator": 8.0, "key": 0})

@@ -19,6 +19,7 @@ from typing import Any
 
 from flax import nnx
 
+from dpmuon_jax.models import taps
 from dpmuon_jax.models.cnn import SmallCNN
 from dpmuon_jax.models.common import PureModel, classification_loss, pure_model
 from dpmuon_jax.models.resnet import ResNet
@@ -97,8 +98,15 @@ def model_and_loss(
     image_shape: Sequence[int],
     *,
     seed: int,
+    tapped: bool = False,
     **overrides: Any,
 ) -> tuple[PureModel, Callable[[Any, Any], Any]]:
-  """``(PureModel(apply, params), loss_fn)`` of the named model (mean cross-entropy)."""
-  model = pure_model(create_model(name, num_classes, image_shape, seed=seed, **overrides))
+  """``(PureModel(apply, params), loss_fn)`` of the named model (mean cross-entropy).
+
+  ``tapped=True`` builds it with :func:`dpmuon_jax.models.taps.tapped`, so that
+  ghost clipping gets the norms of its dense, convolution and embedding
+  weights (the same function and parameters).
+  """
+  module = create_model(name, num_classes, image_shape, seed=seed, **overrides)
+  model = pure_model(taps.tapped(module) if tapped else module)
   return model, classification_loss(model.apply)

@@ -20,7 +20,7 @@ exact per-example gradients.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import jax
 from flax import nnx
@@ -85,7 +85,10 @@ def _tap_one(path: Path, node: Any) -> bool:
   return True
 
 
-def tapped(module: nnx.Module) -> nnx.Module:
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
+
+
+def tapped(module: ModuleT) -> ModuleT:
   """A copy of ``module`` whose dense, patch-conv and embedding layers are tapped.
 
   The original module is not modified.

@@ -66,6 +66,7 @@ from dpmuon_jax.privacy.disk_query import (
     disk_noise_multiplier,
     disk_points,
     disk_query,
+    disk_terms,
     single_point,
 )
 from dpmuon_jax.privacy.keys import KeyLike
@@ -98,6 +99,7 @@ def disk_query_spec(kappa: float, gamma: float) -> QuerySpec:
   return QuerySpec(
       lambda loss_fn: disk_query(loss_fn, kappa, gamma),
       lambda params, opt_state: disk_points(params, applied_update(opt_state), gamma),
+      disk_terms(kappa, gamma),
   )
 
 

@@ -32,6 +32,7 @@ from dpmuon_jax.privacy.inner_momentum import (
   MuonGroup,
   grouped_inner_momentum_query,
   inner_momentum_settings,
+  inner_momentum_terms,
 )
 from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import LossFn, QueryFn, QuerySpec
@@ -89,7 +90,9 @@ def inner_momentum_spec(
       loss_fn, history, decay, fallback_history, fallback_decay, routing
   )
   inputs = lambda params, opt_state: InnerMomentumInputs(params, find_history(opt_state))
-  return QuerySpec(make_query, inputs)
+  terms = inner_momentum_terms(muon_group(routing), history, decay, fallback_history,
+                               fallback_decay)
+  return QuerySpec(make_query, inputs, terms)
 
 
 def dp_muon_im(

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dpmuon_jax.privacy.query import LossFn, QueryFn, add_batch_axis
+from dpmuon_jax.privacy.query import GradientTerm, LossFn, QueryFn, add_batch_axis
 
 PyTree = Any
 
@@ -135,6 +135,25 @@ def disk_query(loss_fn: LossFn, kappa: float, gamma: float) -> QueryFn:
     )
 
   return two_point_query
+
+
+def disk_terms(kappa: float, gamma: float):
+  """``(θ_t, θ_t + γ d_t) -> terms`` of :func:`disk_query` as a weighted sum of gradients.
+
+  (c at θ_t + γ d_t, 1 − c at θ_t), or the one point of :func:`single_point`
+  with weight 1: the :class:`~dpmuon_jax.privacy.query.GradientTerm` form that
+  ghost clipping computes. c may be negative or above 1 (paper 2's κ = 0.5,
+  γ = 0.8 gives c = 1.25).
+  """
+  point = single_point(kappa, gamma)
+  c = disk_weight(kappa, gamma)
+
+  def terms(inputs: tuple[PyTree, PyTree]) -> tuple[GradientTerm, ...]:
+    if point is not None:
+      return (GradientTerm(inputs[point]),)
+    return (GradientTerm(inputs[EXTRAPOLATED], c), GradientTerm(inputs[CURRENT], 1.0 - c))
+
+  return terms
 
 
 def disk_points(params: PyTree, applied_update: PyTree, gamma: float) -> tuple[PyTree, PyTree]:

@@ -46,14 +46,10 @@ import jax
 import jax.numpy as jnp
 
 from dpmuon_jax.privacy.clipping import Clipping, as_clipping
-from dpmuon_jax.privacy.inner_momentum import (
-    InnerMomentumInputs,
-    MuonGroup,
-    inner_momentum_settings,
-    inner_momentum_weights,
-)
 from dpmuon_jax.privacy.query import (
+    GRADIENT_QUERY,
     ClippedSum,
+    GradientTerm,
     LossFn,
     add_batch_axis,
     clipped_sum_from_norms,
@@ -331,9 +327,18 @@ def _pass(loss_fn: LossFn, params: PyTree, batch: PyTree, tape: _Tape):
   return flat, treedef, uses, exact
 
 
-def _scaled(x: jax.Array, w: jax.Array | None) -> jax.Array:
+def _scaled(x: jax.Array, w: Any) -> jax.Array:
+  if isinstance(w, (int, float)) and w == 1:
+    return x
   # jnp.where, not a product: a zero-weight term must not turn NaN into the sum.
-  return x if w is None else jnp.where(w > 0, w * x, jnp.zeros_like(x))
+  return jnp.where(w != 0, w * x, jnp.zeros_like(x))
+
+
+def _leaf_weights(weight: Any, flat: dict[Path, jax.Array]) -> dict[Path, Any]:
+  """A term's weight per parameter: one scalar for all, or a pytree like the state."""
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(weight)):
+    return dict.fromkeys(flat, weight)
+  return _flat_params(weight)[0]
 
 
 class _Terms(NamedTuple):
@@ -345,20 +350,19 @@ class _Terms(NamedTuple):
   exact: dict[Path, jax.Array]
 
 
-def _collect(loss_fn: LossFn, terms: list[tuple[PyTree, PyTree | None]], batch: PyTree,
-             tape: _Tape) -> _Terms:
-  """One pass per (θ_k, w_k); w_k a pytree of scalar weights like θ, or None for 1."""
+def _collect(loss_fn: LossFn, terms: tuple[GradientTerm, ...], batch: PyTree, tape: _Tape
+             ) -> _Terms:
+  """One forward and one backward per term (θ_k, w_k)."""
   uses: dict[Path, list[Factor]] = {}
   exact: dict[Path, jax.Array] = {}
   flat, treedef = {}, None
-  for state, weights in terms:
+  for state, weight in terms:
     flat, treedef, uses_k, exact_k = _pass(loss_fn, state, batch, tape)
-    w = _flat_params(weights)[0] if weights is not None else {}
+    w = _leaf_weights(weight, flat)
     for p, fs in uses_k.items():
-      uses.setdefault(p, []).extend(
-          Factor(f.left, _scaled(f.right, w.get(p)), f.width) for f in fs)
+      uses.setdefault(p, []).extend(Factor(f.left, _scaled(f.right, w[p]), f.width) for f in fs)
     for p, g in exact_k.items():
-      g = _scaled(g, w.get(p))
+      g = _scaled(g, w[p])
       exact[p] = exact[p] + g if p in exact else g
   return _Terms(flat, treedef, uses, exact)
 
@@ -373,7 +377,8 @@ def _leaf_sq_norms(t: _Terms) -> dict[Path, jax.Array]:
 def ghost_norms(loss_fn: LossFn, params: PyTree, batch: PyTree) -> jax.Array:
   """‖∇ℓ(θ; x_i)‖₂ per example, (B,), from ghost norms (no per-example gradient)."""
   tape = _discover(loss_fn, params, jax.tree.map(lambda x: x[0], batch))
-  return jnp.sqrt(sum(_leaf_sq_norms(_collect(loss_fn, [(params, None)], batch, tape)).values()))
+  terms = (GradientTerm(params),)
+  return jnp.sqrt(sum(_leaf_sq_norms(_collect(loss_fn, terms, batch, tape)).values()))
 
 
 def _terms_clipped_sum(t: _Terms, mask: jax.Array | None, clipping: Clipping | float
@@ -414,6 +419,41 @@ def _chunked(chunk: Callable[[PyTree, jax.Array | None], ClippedSum], like: PyTr
   return jax.lax.scan(step, zeros_clipped_sum(like, clipping), chunked)[0]
 
 
+QueryTerms = Callable[[PyTree], tuple[GradientTerm, ...]]
+"""``inputs -> (GradientTerm, ...)``: a query as a weighted sum of gradients
+(:attr:`~dpmuon_jax.privacy.query.QuerySpec.terms`)."""
+
+
+def ghost_query_sum(loss_fn: LossFn, terms: QueryTerms) -> Callable[..., ClippedSum]:
+  """Ghost clipping of the query q_i = Σ_k w_k ∇ℓ(θ_k; x_i) that ``terms`` describes.
+
+  Returns ``sum_fn(inputs, batch, mask, clipping, microbatch_size=None)``, the
+  same sum and sensitivity as ``clipped_sum(query, inputs, batch, mask,
+  clipping, microbatch_size)`` for the query with these terms. q_i is
+  clipped as ONE vector; for a dense use its norm has the cross terms
+  between states,
+
+      ‖Σ_k w_k Σ_t a_{k,t} g_{k,t}ᵀ‖² = Σ_{k,l} w_k w_l Σ_{t,s} (a_{k,t}·a_{l,s})(g_{k,t}·g_{l,s}),
+
+  the Gram of the rows of all states stacked (w_k folded into g_k), and the
+  book-keeping sum weights every state's factors by the same clip factor.
+  One forward and one backward per term, as the vmap query's gradients.
+  This covers the gradient query (one term), DiSK's two-point query
+  (Zhang et al., ICLR 2025, §3: c at θ_t + γd_t, 1 − c at θ_t) and inner
+  momentum's combination over K past states ("Inner Momentum for DP-Muon", §3).
+  """
+
+  def sum_fn(inputs: PyTree, batch: PyTree, mask: jax.Array | None,
+             clipping: Clipping | float, microbatch_size: int | None = None) -> ClippedSum:
+    like = terms(inputs)[0].state
+    tape = _discover(loss_fn, like, jax.tree.map(lambda x: x[0], batch))
+    chunk = lambda b, m: _terms_clipped_sum(_collect(loss_fn, terms(inputs), b, tape), m,
+                                            clipping)
+    return _chunked(chunk, like, batch, mask, clipping, microbatch_size)
+
+  return sum_fn
+
+
 def ghost_clipped_sum(
     loss_fn: LossFn,
     params: PyTree,
@@ -436,62 +476,8 @@ def ghost_clipped_sum(
     params, batch, mask, clipping, microbatch_size: as for ``clipped_sum``;
       ``clipping`` must not use the secure-noise grid.
   """
-  tape = _discover(loss_fn, params, jax.tree.map(lambda x: x[0], batch))
-  chunk = lambda b, m: _terms_clipped_sum(_collect(loss_fn, [(params, None)], b, tape), m,
-                                          clipping)
-  return _chunked(chunk, params, batch, mask, clipping, microbatch_size)
-
-
-def ghost_inner_momentum_sum(
-    loss_fn: LossFn,
-    in_muon_group: MuonGroup,
-    history: int,
-    decay: float,
-    fallback_history: int | None = None,
-    fallback_decay: float | None = None,
-) -> Callable[..., ClippedSum]:
-  """Ghost version of ``clipped_sum(grouped_inner_momentum_query(...), ...)``.
-
-  Returns ``sum_fn(inputs, batch, mask, clipping, microbatch_size=None)`` with
-  ``inputs`` an :class:`~dpmuon_jax.privacy.inner_momentum.InnerMomentumInputs`.
-  The query q_i = Σ_k w_k ∇ℓ(θ_{t−k}; x_i) (per-leaf weights of the leaf's
-  group) is clipped as ONE vector; for a dense use, its norm has the cross
-  terms between states,
-
-      ‖Σ_k w_k Σ_t a_{k,t} g_{k,t}ᵀ‖² = Σ_{k,l} w_k w_l Σ_{t,s} (a_{k,t}·a_{l,s})(g_{k,t}·g_{l,s}),
-
-  the Gram of the rows of all states stacked (w_k folded into g_k). One
-  forward and one backward per state, as the vmap query's K + 1 gradients.
-  """
-  settings = inner_momentum_settings(history, decay, fallback_history, fallback_decay)
-  slots = max(settings.history, settings.fallback_history)
-
-  def terms(inputs: InnerMomentumInputs) -> list[tuple[PyTree, PyTree]]:
-    params, past = inputs
-    weights = {
-        True: inner_momentum_weights(past.count, settings.history, settings.decay, slots),
-        False: inner_momentum_weights(past.count, settings.fallback_history,
-                                      settings.fallback_decay, slots),
-    }
-    num_slots = jax.tree.leaves(past.states)[0].shape[0] if jax.tree.leaves(past.states) else 0
-    if num_slots < slots:
-      raise ValueError(f"The parameter history has {num_slots} slots; this query needs {slots}.")
-    in_muon = in_muon_group(params)
-    out = [(params, jax.tree.map(lambda m: weights[m][0], in_muon))]
-    for k in range(1, slots + 1):
-      state = jax.tree.map(lambda h, i=(past.count - k) % num_slots: h[i], past.states)
-      out.append((state, jax.tree.map(lambda m, k=k: weights[m][k], in_muon)))
-    return out
-
-  def sum_fn(inputs: InnerMomentumInputs, batch: PyTree, mask: jax.Array | None,
-             clipping: Clipping | float, microbatch_size: int | None = None) -> ClippedSum:
-    params = inputs.params
-    tape = _discover(loss_fn, params, jax.tree.map(lambda x: x[0], batch))
-    chunk = lambda b, m: _terms_clipped_sum(_collect(loss_fn, terms(inputs), b, tape), m,
-                                            clipping)
-    return _chunked(chunk, params, batch, mask, clipping, microbatch_size)
-
-  return sum_fn
+  sum_fn = ghost_query_sum(loss_fn, GRADIENT_QUERY.terms)  # pyright: ignore[reportArgumentType]
+  return sum_fn(params, batch, mask, clipping, microbatch_size)
 
 
 CLIPPED_SUM_METHODS = ("vmap", "ghost", "automatic")
@@ -514,28 +500,30 @@ def select_clipped_sum(
     method: str,
     vmap_sum: Callable[[PyTree, PyTree, jax.Array], ClippedSum],
     loss_fn: LossFn | None,
-    is_gradient_query: bool,
+    terms: QueryTerms | None,
     clipping: Clipping | float,
     microbatch_size: int | None = None,
 ) -> Callable[[PyTree, PyTree, jax.Array], ClippedSum]:
-  """``(params, batch, mask) -> ClippedSum`` by ``method`` (:data:`CLIPPED_SUM_METHODS`).
+  """``(inputs, batch, mask) -> ClippedSum`` by ``method`` (:data:`CLIPPED_SUM_METHODS`).
 
-  ``vmap_sum`` is the ``vmap(grad)`` path. Ghost clipping computes the plain
-  gradient query of ``loss_fn`` only (``is_gradient_query``); DiSK's and inner
-  momentum's queries, or a custom query, are refused.
+  ``vmap_sum`` is the ``vmap(grad)`` path. Ghost clipping computes a query
+  given as ``terms`` (:attr:`~dpmuon_jax.privacy.query.QuerySpec.terms`: the
+  gradient, DiSK's and inner momentum's queries) of ``loss_fn``; a custom
+  query without terms is refused.
   """
   if method not in CLIPPED_SUM_METHODS:
     raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got {method!r}.")
   if method == "vmap":
     return vmap_sum
-  if loss_fn is None or not is_gradient_query:
-    raise ValueError(f"clipped_sum_method={method!r} computes the gradient query of a loss_fn; "
-                     "this optimizer's query (or a custom query) needs 'vmap'.")
+  if loss_fn is None or terms is None:
+    raise ValueError(f"clipped_sum_method={method!r} computes a query given as a weighted sum "
+                     "of gradients of a loss_fn (QuerySpec.terms); a custom query needs 'vmap'.")
+  ghost_sum = ghost_query_sum(loss_fn, terms)
 
-  def local_sum(params: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+  def local_sum(inputs: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
     example = jax.tree.map(lambda x: x[0], batch)
-    if resolve_method(method, loss_fn, params, example) == "vmap":
-      return vmap_sum(params, batch, mask)
-    return ghost_clipped_sum(loss_fn, params, batch, mask, clipping, microbatch_size)
+    if resolve_method(method, loss_fn, terms(inputs)[0].state, example) == "vmap":
+      return vmap_sum(inputs, batch, mask)
+    return ghost_sum(inputs, batch, mask, clipping, microbatch_size)
 
   return local_sum

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmuon_jax import checks
-from dpmuon_jax.privacy.query import LossFn, QueryFn, add_batch_axis
+from dpmuon_jax.privacy.query import GradientTerm, LossFn, QueryFn, add_batch_axis
 
 PyTree = Any
 
@@ -194,3 +194,39 @@ def grouped_inner_momentum_query(
     return total
 
   return query
+
+
+def inner_momentum_terms(
+    in_muon_group: MuonGroup,
+    history: int,
+    decay: float,
+    fallback_history: int | None = None,
+    fallback_decay: float | None = None,
+) -> Callable[[InnerMomentumInputs], tuple[GradientTerm, ...]]:
+  """``inputs -> terms`` of :func:`grouped_inner_momentum_query` as a weighted sum of gradients.
+
+  One :class:`~dpmuon_jax.privacy.query.GradientTerm` per state θ_{t−k},
+  0 ≤ k ≤ max(K, K′), each leaf weighted by its group's w_k (zero past the
+  stored history): the form that ghost clipping computes.
+  """
+  settings = inner_momentum_settings(history, decay, fallback_history, fallback_decay)
+  slots = max(settings.history, settings.fallback_history)
+
+  def terms(inputs: InnerMomentumInputs) -> tuple[GradientTerm, ...]:
+    params, past = inputs
+    weights = {
+        True: inner_momentum_weights(past.count, settings.history, settings.decay, slots),
+        False: inner_momentum_weights(past.count, settings.fallback_history,
+                                      settings.fallback_decay, slots),
+    }
+    num_slots = jax.tree.leaves(past.states)[0].shape[0] if jax.tree.leaves(past.states) else 0
+    if num_slots < slots:
+      raise ValueError(f"The parameter history has {num_slots} slots; this query needs {slots}.")
+    in_muon = in_muon_group(params)
+    out = [GradientTerm(params, jax.tree.map(lambda m: weights[m][0], in_muon))]
+    for k in range(1, slots + 1):
+      state = jax.tree.map(lambda h, i=(past.count - k) % num_slots: h[i], past.states)
+      out.append(GradientTerm(state, jax.tree.map(lambda m, k=k: weights[m][k], in_muon)))
+    return tuple(out)
+
+  return terms

@@ -191,6 +191,19 @@ def gradient_query(loss_fn: LossFn) -> QueryFn:
   return query
 
 
+class GradientTerm(NamedTuple):
+  """w · ∇ℓ(state; x): one term of a query that is a weighted sum of gradients.
+
+  Attributes:
+    state: a public parameter state (θ_t, an earlier or an extrapolated state).
+    weight: one scalar for every leaf, or a pytree like ``state`` of scalars
+      (each leaf's own weight, as inner momentum's per-group weights).
+  """
+
+  state: PyTree
+  weight: Any = 1.0
+
+
 class QuerySpec(NamedTuple):
   """Which per-example query a private optimizer releases, and its public inputs.
 
@@ -200,6 +213,11 @@ class QuerySpec(NamedTuple):
     inputs: ``(params, opt_state) -> inputs``. The inputs may only depend on
       the parameters and the optimizer's post-processing state (both functions
       of earlier releases and public settings), never on the noise stream.
+    terms: ``inputs -> (GradientTerm, ...)`` when the query is a weighted sum
+      of gradients at public states, q_i = Σ_k w_k ∇ℓ(θ_k; x_i), as the
+      gradient, DiSK's and inner momentum's queries are; ghost clipping
+      (:mod:`dpmuon_jax.privacy.ghost`) computes such a query's clipped sum
+      without per-example gradients. ``None`` for any other query.
 
   The standard query is :data:`GRADIENT_QUERY`; DiSK and inner momentum
   evaluate gradients at other (earlier or extrapolated) parameter states.
@@ -208,6 +226,7 @@ class QuerySpec(NamedTuple):
 
   make_query: Callable[[LossFn], QueryFn]
   inputs: Callable[[PyTree, Any], PyTree]
+  terms: Callable[[PyTree], tuple[GradientTerm, ...]] | None = None
 
 
 def _current_params(params: PyTree, opt_state: Any) -> PyTree:
@@ -215,7 +234,7 @@ def _current_params(params: PyTree, opt_state: Any) -> PyTree:
   return params
 
 
-GRADIENT_QUERY = QuerySpec(gradient_query, _current_params)
+GRADIENT_QUERY = QuerySpec(gradient_query, _current_params, lambda params: (GradientTerm(params),))
 """q_i = ∇ℓ(θ_t; x_i), the query of DP-SGD, DP-Adam and DP-Muon."""
 
 

@@ -46,9 +46,11 @@ from flax import nnx
 
 from dpmuon_jax import checks
 from dpmuon_jax.distributed.mesh import sharded_capacity
+from dpmuon_jax.models.taps import tapped
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.optimizers.options import Fallback
 from dpmuon_jax.privacy.accounting import RDP
+from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
@@ -116,6 +118,10 @@ class LMTrainConfig:
       0.002 / 0.0035), constant.
     sampling_rate, steps, denominator, clip: q, T, D, C. ``denominator=None``
       uses qN.
+    clipped_sum_method: ``"vmap"`` (per-example gradients), ``"ghost"`` or
+      ``"automatic"`` (ghost clipping, :mod:`dpmuon_jax.privacy.ghost`: the
+      model is built with :func:`~dpmuon_jax.models.taps.tapped`; same sum and
+      sensitivity, no per-example gradients of the tapped weights).
     train_split: the split trained on (``"train"``; CI's one-step smoke runs
       use ``"valid"``, which is always present).
     train_subset: the first n training pairs only (CPU scale); N is then n.
@@ -152,6 +158,7 @@ class LMTrainConfig:
   seed: int | None = None
   model_seed: int = 0
   microbatch_size: int | None = None
+  clipped_sum_method: str = "vmap"
   train_split: str = "train"
   train_subset: int | None = None
   capacity: int | None = None
@@ -197,6 +204,9 @@ def validate_config(config: LMTrainConfig) -> None:
   if config.diagnostic_steps and config.optimizer != "dp_muon_im":
     raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
                      "they need optimizer='dp_muon_im'.")
+  if config.clipped_sum_method not in CLIPPED_SUM_METHODS:
+    raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got "
+                     f"{config.clipped_sum_method!r}.")
   if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
     raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
                      f"{config.microbatch_size}.")
@@ -212,19 +222,21 @@ def lm_optimizer(config: LMTrainConfig, release_kwargs: dict[str, Any]) -> Priva
 
 def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT2Config, bool]:
   """``(apply, params, gpt2_config, pretrained)`` from ``init_weights`` or from scratch."""
+  tap = tapped if config.clipped_sum_method != "vmap" else (lambda module: module)
   if config.init_weights is not None:
     params, gpt2_config = load_hf_gpt2(config.init_weights)
     if gpt2_config.vocab_size != vocab_size:
       raise ValueError(f"The checkpoint's vocabulary has {gpt2_config.vocab_size} tokens, the "
                        f"tokenizer {vocab_size}: pretrained weights need vocab_size=None.")
-    apply, _ = gpt2_model(nnx.eval_shape(lambda: GPT2(gpt2_config, rngs=nnx.Rngs(0))))
+    module = nnx.eval_shape(lambda: GPT2(gpt2_config, rngs=nnx.Rngs(0)))
+    apply, _ = gpt2_model(tap(module))
     return apply, params, gpt2_config, True
   if config.model not in MODEL_PRESETS:
     raise ValueError(f"Unknown model {config.model!r}; choose from {', '.join(MODEL_PRESETS)}.")
   gpt2_config = MODEL_PRESETS[config.model]._replace(**config.model_overrides)
   if gpt2_config.vocab_size != vocab_size:
     gpt2_config = gpt2_config._replace(vocab_size=vocab_size)
-  apply, params = gpt2_model(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed)))
+  apply, params = gpt2_model(tap(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed))))
   return apply, params, gpt2_config, False
 
 
@@ -331,7 +343,8 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   setup = _lm_setup(config, n, root)
   optimizer = lm_optimizer(config, setup.release_kwargs)
   loss_fn = lm_loss(apply)
-  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size)
+  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
+                              clipped_sum_method=config.clipped_sum_method)
   opt_state = optimizer.init(params)
   ledger = setup.ledger
   probe_batch = {k: v[:config.diagnostic_examples] for k, v in train_arrays.items()}

@@ -127,11 +127,14 @@ def make_private_step(
       (ghost norms and book-keeping, no per-example gradients; same sum and
       sensitivity: :func:`~dpmuon_jax.privacy.ghost.ghost_clipped_sum`) or
       ``"automatic"`` (ghost when every matrix is tapped). Ghost needs
-      ``loss_fn`` and the gradient query; build the model with
-      :func:`~dpmuon_jax.models.taps.tapped` to profit from it.
+      ``loss_fn`` and an optimizer whose query is a weighted sum of gradients
+      (``optimizer.query.terms``: every ``dp_*`` optimizer here, DiSK's
+      two-point and inner momentum's K-state queries included); build the
+      model with :func:`~dpmuon_jax.models.taps.tapped` to profit from it.
   """
   if not isinstance(optimizer, PrivateTransformation):
     raise TypeError("make_private_step needs a private optimizer (a dp_* transformation).")
+  terms = optimizer.query.terms if query is None else None  # a custom query has no terms
   query, read_inputs = _query_and_inputs(optimizer, loss_fn, query)
   clipping = optimizer_clipping(optimizer, clipping)
   if mesh is not None and optimizer.release.secure_noise:
@@ -142,8 +145,7 @@ def make_private_step(
 
   local_sum = select_clipped_sum(
       clipped_sum_method, vmap_sum, loss_fn,
-      optimizer.query is GRADIENT_QUERY,  # with loss_fn given, query was not
-      clipping, microbatch_size)
+      terms, clipping, microbatch_size)
 
   summed = local_sum if mesh is None else _sum_over_mesh(local_sum, mesh)
 

@@ -52,6 +52,7 @@ from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name
+from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
 from dpmuon_jax.privacy.release import PrivateTransformation, with_noise_counter
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
@@ -104,6 +105,7 @@ class TrainConfig:
   output_dir: str = "runs/dpmuon"
   resume: bool = False
   microbatch_size: int | None = None
+  clipped_sum_method: str = "vmap"  # "vmap", "ghost" or "automatic" (privacy.ghost)
   augment: bool = False
   eval_every: int | None = None  # steps; None: once per epoch
   checkpoint_every: int | None = None  # steps; None: once per epoch
@@ -152,6 +154,12 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
         f"Unknown optimizer {config.optimizer!r}; choose from "
         f"{', '.join(optimizer_registry.OPTIMIZERS)}."
     )
+  if config.clipped_sum_method not in CLIPPED_SUM_METHODS:
+    raise TrainingError(f"--clipped-sum-method must be one of {', '.join(CLIPPED_SUM_METHODS)}, "
+                        f"got {config.clipped_sum_method!r}.")
+  if config.secure_noise and config.clipped_sum_method != "vmap":
+    raise TrainingError("--secure-noise rounds every clipped query to its grid, which ghost "
+                        "clipping never forms: use --clipped-sum-method vmap.")
   if config.clipping not in CLIPPING_STYLES:
     raise TrainingError(
         f"--clipping must be one of {', '.join(CLIPPING_STYLES)}, got {config.clipping!r}."
@@ -391,7 +399,7 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
   num_devices = _num_devices(config)
   model, loss_fn = model_and_loss(
       config.model, cast(int, data.num_classes), data.image_shape, seed=config.model_seed,
-      **config.model_overrides,
+      tapped=config.clipped_sum_method != "vmap", **config.model_overrides,
   )
   setup = make_private(
       target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=data.num_train,
@@ -408,7 +416,7 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
                                        **config.optimizer_options)
   mesh = data_mesh(num_devices) if num_devices > 1 else None
   step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
-                              mesh=mesh)
+                              mesh=mesh, clipped_sum_method=config.clipped_sum_method)
   batch_fn = _make_batch_fn(data, config.augment)
   augmentation_key, _ = stream_key(root, "augmentation")
 
