@@ -30,7 +30,14 @@ from dpmuon_jax.optimizers.filters import (
 )
 from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s, muon, muon_s
 from dpmuon_jax.optimizers.options import Fallback, NewtonSchulz
-from dpmuon_jax.optimizers.paper2 import adam_bc, dp_adam_bc, dp_muon_bc, dp_muon_im, muon_bc
+from dpmuon_jax.optimizers.paper2 import (
+    adam_bc,
+    dp_adam_bc,
+    dp_disk_muon_im,
+    dp_muon_bc,
+    dp_muon_im,
+    muon_bc,
+)
 from dpmuon_jax.privacy.accounting import (
     PrivacyLedger,
     calibrate_noise_multiplier,
@@ -89,6 +96,7 @@ __all__ = [
     "dp_adam_bc",
     "dp_adamw",
     "dp_disk_muon",
+    "dp_disk_muon_im",
     "dp_disk_sgd",
     "dp_doppler_muon",
     "dp_doppler_sgd",

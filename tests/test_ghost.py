@@ -15,7 +15,7 @@ from flax import nnx
 from dpmuon_jax.models.cnn import SmallCNN
 from dpmuon_jax.models.common import classification_loss, pure_model
 from dpmuon_jax.models.taps import TappedEmbed, tapped, tapped_model
-from dpmuon_jax.optimizers import dp_disk_sgd, dp_muon_im, dp_sgd
+from dpmuon_jax.optimizers import dp_disk_muon_im, dp_disk_sgd, dp_muon_im, dp_sgd
 from dpmuon_jax.privacy.clipping import (
   Clipping,
   automatic_clipping,
@@ -353,7 +353,7 @@ def test_disk_ghost_sensitivity_with_a_negative_weight(gpt2):
   assert _l2(with_it.total, without.total) <= 0.5 * (1 + 1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["dp_disk_sgd", "dp_muon_im"])
+@pytest.mark.parametrize("optimizer", ["dp_disk_sgd", "dp_muon_im", "dp_disk_muon_im"])
 def test_private_steps_of_every_query_match_vmap_with_ghost(gpt2, optimizer):
   """Three releases, so DiSK's applied update and inner momentum's history are
   non-zero when the ghost path reads them from the optimizer state."""
@@ -363,6 +363,7 @@ def test_private_steps_of_every_query_match_vmap_with_ghost(gpt2, optimizer):
       "dp_disk_sgd": lambda: dp_disk_sgd(0.3, 0.1, 1.0, 6.0, key=3,
                                          **DISK_PRESETS["paper2"]._asdict()),
       "dp_muon_im": lambda: dp_muon_im(0.02, 0.1, 1.0, 6.0, key=3, history=2, decay=0.5),
+      "dp_disk_muon_im": lambda: dp_disk_muon_im(0.02, 0.1, 1.0, 6.0, key=3, history=1),
   }[optimizer]
   mask = jnp.array([True, True, True, True, False, True])
   final = {}

@@ -37,6 +37,7 @@ from dpmuon_jax.optimizers.options import Fallback, NewtonSchulz
 from dpmuon_jax.optimizers.paper2 import (
     adam_bc,
     dp_adam_bc,
+    dp_disk_muon_im,
     dp_muon_bc,
     dp_muon_im,
     inner_momentum_query,
@@ -49,7 +50,8 @@ from dpmuon_jax.optimizers.private import ReleaseSettings, private
 __all__ = [
     "Fallback", "NewtonSchulz", "ReleaseSettings", "adam_bc", "disk_muon", "disk_query_spec",
     "disk_sgd", "doppler_muon", "doppler_sgd", "dp_adam", "dp_adam_bc", "dp_adamw",
-    "dp_disk_muon", "dp_disk_sgd", "dp_doppler_muon", "dp_doppler_sgd", "dp_muon", "dp_muon_bc",
+    "dp_disk_muon", "dp_disk_muon_im", "dp_disk_sgd", "dp_doppler_muon", "dp_doppler_sgd",
+    "dp_muon", "dp_muon_bc",
     "dp_muon_im", "dp_muon_s", "dp_sgd", "fallback_optimizer", "inner_momentum_query",
     "inner_momentum_spec", "muon", "muon_bc", "muon_group", "muon_s", "private",
     "routed_post_processing",

@@ -48,9 +48,10 @@ Composition = Literal["replace", "feed"]
 """How a temporal filter composes with Muon (:mod:`dpmuon_jax.optimizers.filters`)."""
 REPLACE, FEED = get_args(Composition)
 
-QueryKind = Literal["gradient", "disk", "inner_momentum"]
+QueryKind = Literal["gradient", "disk", "inner_momentum", "disk_inner_momentum"]
 """The per-example query a private optimizer's release privatises: the gradient,
-DiSK's two-point query, or inner momentum's average over past states."""
+DiSK's two-point query, inner momentum's average over past states, or both
+(DiSK's query as inner momentum's current term)."""
 QUERY_KINDS: tuple[str, ...] = get_args(QueryKind)
 
 

@@ -23,10 +23,13 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
+from dpmuon_jax.optimizers.filters import disk_muon, disk_query_spec
 from dpmuon_jax.optimizers.muon import muon, routed_post_processing
 from dpmuon_jax.optimizers.options import Buffer, NewtonSchulz
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.composition import substitute_current
+from dpmuon_jax.privacy.disk_query import DISK_PRESETS
 from dpmuon_jax.privacy.inner_momentum import (
   InnerMomentumInputs,
   MuonGroup,
@@ -134,6 +137,45 @@ def dp_muon_im(
   query = inner_momentum_spec(history, decay, fallback_history, fallback_decay, routing)
   slots = max(history, history if fallback_history is None else fallback_history)
   post = muon(learning_rate, routing=routing, **options)
+  release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
+                            neighbouring)
+  return private(release, param_history(slots), post, query=query)
+
+
+def dp_disk_muon_im(
+    learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
+    denominator: float, key: KeyLike = None, *, history: int = 1, decay: float = 0.5,
+    fallback_history: int | None = None, fallback_decay: float | None = None,
+    kappa: float = DISK_PRESETS["paper2"].kappa, gamma: float = DISK_PRESETS["paper2"].gamma,
+    routing: Routing = "paper1", clipping: Clipping | None = None,
+    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+) -> PrivateTransformation:
+  """KF + IM (paper 2, appendix C's joint ablation): DiSK inside inner momentum, then DiSK-Muon.
+
+  Query (:func:`~dpmuon_jax.privacy.composition.substitute_current` of inner
+  momentum and DiSK's two-point query)::
+
+      q_i = w_0 [c ∇ℓ(θ_t + γ d_t; x_i) + (1 − c) ∇ℓ(θ_t; x_i)] + Σ_{k≥1} w_k ∇ℓ(θ_{t−k}; x_i)
+
+  with c = (1 − κ)/(κγ), clipped as ONE vector at C; one Gaussian release per
+  step, accounted as DP-Muon's. Post-processing: DiSK's Kalman filter with
+  gain κ, then routed Muon (:func:`~dpmuon_jax.optimizers.filters.disk_muon`).
+  K + 2 gradient evaluations per example (K + 1 at t = 0, where d_0 = 0).
+
+  Args:
+    history, decay, fallback_history, fallback_decay, routing: inner
+      momentum's, as in :func:`dp_muon_im`.
+    kappa, gamma: DiSK's; default paper 2's KF baseline (κ = 0.5,
+      extrapolation 0.8).
+    Other arguments: as in :func:`dp_muon_im`; ``options`` go to
+      :func:`~dpmuon_jax.optimizers.filters.disk_muon` (``composition`` and
+      :func:`~dpmuon_jax.optimizers.muon.muon`'s).
+  """
+  query = substitute_current(
+      inner_momentum_spec(history, decay, fallback_history, fallback_decay, routing),
+      disk_query_spec(kappa, gamma))
+  slots = max(history, history if fallback_history is None else fallback_history)
+  post = disk_muon(learning_rate, kappa=kappa, routing=routing, **options)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
                             neighbouring)
   return private(release, param_history(slots), post, query=query)

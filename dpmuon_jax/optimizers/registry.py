@@ -35,7 +35,7 @@ from dpmuon_jax.optimizers.classic import dp_adam, dp_adamw, dp_sgd
 from dpmuon_jax.optimizers.filters import dp_disk_muon, dp_disk_sgd, dp_doppler_muon, dp_doppler_sgd
 from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
 from dpmuon_jax.optimizers.options import QUERY_KINDS, Fallback, QueryKind
-from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_muon_bc, dp_muon_im
+from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_disk_muon_im, dp_muon_bc, dp_muon_im
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS
 from dpmuon_jax.privacy.release import PrivateTransformation
 
@@ -69,7 +69,8 @@ class Entry:
       denominator, key, clipping=..., **kwargs)`` -> PrivateTransformation,
       the signature of every ``dp_*``.
     summary: one line, for ``dpmuon train --help``.
-    query: ``"gradient"``, ``"disk"`` or ``"inner_momentum"``: the
+    query: ``"gradient"``, ``"disk"``, ``"inner_momentum"`` or
+      ``"disk_inner_momentum"``: the
       per-example query its release privatises (``optimizer.query``).
     presets: workload name -> :class:`Preset`.
   """
@@ -127,6 +128,10 @@ OPTIMIZERS: dict[str, Entry] = {
     "dp_muon_im": Entry(
         dp_muon_im, "DP-Muon-IM: inner-momentum query over K past states (paper 2)",
         "inner_momentum", {CIFAR10: Preset(0.02, _IM), GPT2: Preset(0.002, _PAPER2)}),
+    "dp_disk_muon_im": Entry(
+        dp_disk_muon_im, "KF + IM: DiSK's query inside inner momentum, then DiSK-Muon (paper 2 "
+        "ablation; κ = 0.5, γ = 0.8)", "disk_inner_momentum",
+        {CIFAR10: Preset(0.02, _IM), GPT2: Preset(0.002, _PAPER2)}),
     "dp_muon_bc": Entry(
         dp_muon_bc,
         "DP-Muon-BC: heavy-ball DP-Muon, noise-bias-corrected Newton–Schulz (our estimator)",

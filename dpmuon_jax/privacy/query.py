@@ -229,6 +229,35 @@ class QuerySpec(NamedTuple):
   terms: Callable[[PyTree], tuple[GradientTerm, ...]] | None = None
 
 
+def _weighted(grad: jax.Array, weight: Any) -> jax.Array:
+  # jnp.where, not a product: a zero-weight term must not turn NaN into the sum.
+  grad = grad.astype(jnp.float32)
+  return jnp.where(weight != 0, weight * grad, jnp.zeros_like(grad))
+
+
+def terms_query(loss_fn: LossFn, terms: Callable[[PyTree], tuple[GradientTerm, ...]]) -> QueryFn:
+  """``query(inputs, example) = Σ_k w_k ∇ℓ(θ_k; x)`` for ``(θ_k, w_k)`` in ``terms(inputs)``.
+
+  The per-example form of a :attr:`QuerySpec.terms` description: one gradient
+  per term, summed in float32 and cast to the parameters' dtypes.
+  """
+  grad_fn = jax.grad(loss_fn)
+
+  def query(inputs: PyTree, example: PyTree) -> PyTree:
+    batch = add_batch_axis(example)
+    total, like = None, None
+    for state, weight in terms(inputs):
+      like = grad_fn(state, batch)
+      if jax.tree_util.treedef_is_leaf(jax.tree.structure(weight)):
+        part = jax.tree.map(lambda g, w=weight: _weighted(g, w), like)
+      else:
+        part = jax.tree.map(_weighted, like, weight)
+      total = part if total is None else jax.tree.map(jnp.add, total, part)
+    return jax.tree.map(lambda t, g: t.astype(g.dtype), total, like)
+
+  return query
+
+
 def _current_params(params: PyTree, opt_state: Any) -> PyTree:
   del opt_state
   return params
