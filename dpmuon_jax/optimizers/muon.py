@@ -54,7 +54,7 @@ from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import ADD_REMOVE, Neighbouring, PrivateTransformation
 from dpmuon_jax.transforms.momentum import HEAVY_BALL
-from dpmuon_jax.transforms.muon import scale_by_muon, scale_by_muon_s
+from dpmuon_jax.transforms.muon import SPLIT, AttentionBlocks, scale_by_muon, scale_by_muon_s
 from dpmuon_jax.transforms.routing import Routing, partition_muon
 
 
@@ -133,6 +133,8 @@ def muon(
     weight_decay: float = 0.0,
     routing: Routing = "paper1",
     fallback: Fallback = Fallback(),
+    attention_blocks: AttentionBlocks = SPLIT,
+    attention_heads: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon (paper 1, §Method): Ĝ = sqrt(min(4, max(1, fan_out/fan_in)))·NS₅(M̂_t), routed.
 
@@ -149,11 +151,21 @@ def muon(
       (path, leaf) -> bool; see :mod:`dpmuon_jax.transforms.routing`.
     fallback: the other group (default DP-SGD's heavy-ball step with β′ = 0.9
       and η′ = η; AdamW under ``"paper2"``, which needs its own η′).
+    attention_blocks: how an attention's q, k, v updates are orthogonalised:
+      ``"split"`` (default, each d × d), ``"fused"`` (one d × 3d matrix
+      ``[Q | K | V]``, Hugging Face's ``c_attn``, aspect factor √3) or ``"heads"``
+      (each head's d × d/H block, ``attention_heads`` = H); paper 2 ("Inner
+      Momentum for DP-Muon", §5) leaves it open. See
+      :func:`dpmuon_jax.transforms.muon.matrix_blocks`. The momentum stays per
+      leaf; post-processing only: release, clipping and accounting unchanged.
+    attention_heads: H, for ``attention_blocks="heads"`` only.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (an ``optax.partition``).
   """
-  post = scale_by_muon(beta, nesterov=nesterov, mu_dtype=mu_dtype, **ns.transform_kwargs())
+  post = scale_by_muon(beta, nesterov=nesterov, mu_dtype=mu_dtype,
+                       attention_blocks=attention_blocks, attention_heads=attention_heads,
+                       **ns.transform_kwargs())
   return routed_post_processing(
       post, learning_rate, weight_decay=weight_decay, routing=routing, fallback=fallback
   )
@@ -203,7 +215,7 @@ def dp_muon(
     l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring:
       the release, see :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`.
     **options: :func:`muon`'s (``beta``, ``nesterov``, ``ns``, ``weight_decay``,
-      ``routing``, ``fallback``, ...).
+      ``routing``, ``fallback``, ``attention_blocks``, ...).
 
   Returns:
     A :class:`~dpmuon_jax.privacy.release.PrivateTransformation`.

@@ -31,13 +31,14 @@ from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
 from dpmuon_jax.linalg.scaling import DimensionNumbers
 from dpmuon_jax.privacy.release import ADD_REMOVE, REPLACE_ONE, Neighbouring
 from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL, Buffer
-from dpmuon_jax.transforms.muon import check_newton_schulz
+from dpmuon_jax.transforms.muon import ATTENTION_BLOCKS, AttentionBlocks, check_newton_schulz
 from dpmuon_jax.transforms.routing import PRESETS, Routing, RoutingPreset
 
 __all__ = [
-    "ADAMW", "ADD_REMOVE", "EMA", "FEED", "HEAVY_BALL", "PRESETS", "QUERY_KINDS", "REPLACE",
-    "REPLACE_ONE", "SGD", "Buffer", "Composition", "Fallback", "FallbackKind", "Neighbouring",
-    "NewtonSchulz", "QueryKind", "Routing", "RoutingPreset",
+    "ADAMW", "ADD_REMOVE", "ATTENTION_BLOCKS", "EMA", "FEED", "HEAVY_BALL", "PRESETS",
+    "QUERY_KINDS", "REPLACE", "REPLACE_ONE", "SGD", "AttentionBlocks", "Buffer", "Composition",
+    "Fallback", "FallbackKind", "Neighbouring", "NewtonSchulz", "QueryKind", "Routing",
+    "RoutingPreset",
 ]
 
 FallbackKind = Literal["sgd", "adamw"]
