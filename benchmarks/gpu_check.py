@@ -6,6 +6,11 @@
 2. DP-Muon / DP-SGD on a WRN-16-4 parameter tree (2.7M parameters):
    the optimizer update alone (release + post-processing on a clipped sum),
    and a full private step (per-example gradients, clipping, release, update).
+3. GPT-2 small (124M, tapped for ghost clipping), B = 64 × T = 128 tokens:
+   the non-private step, then DP-SGD and DP-Muon with ghost clipping, then
+   DP-SGD with per-example gradients (microbatches of 16): tokens/s, the
+   ratio to the non-private step, and the device's peak memory so far (the
+   steps run in this order, so each increase belongs to the step that made it).
 
     python benchmarks/gpu_check.py            # accelerator sizes (B = 1024)
     python benchmarks/gpu_check.py --quick    # CPU-sized smoke run
@@ -121,6 +126,54 @@ def check_step_ratio(model_name, batch_size: int, microbatch: int, repeats: int)
         f"ratio {times['DP-Muon'] / times['DP-SGD']:.3f}")
 
 
+def _peak_gib() -> float:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use", float("nan")) / 2**30
+
+
+def _gpt2_steps(loss_fn, params, batch_size: int) -> dict:
+  import optax
+
+  from dpmuon_jax.training.step import make_private_step
+
+  sgd = optax.sgd(0.1)
+  nonprivate = jax.jit(lambda p, s, b: optax.apply_updates(
+      p, sgd.update(jax.grad(loss_fn)(p, b), s, p)[0]))
+  steps = {"non-private": lambda p, b, m: nonprivate(p, sgd.init(p), b)}
+  for name, opt in _optimizers(batch_size).items():
+    for method, micro in (("ghost", None), ("vmap", 16)):
+      if name == "DP-Muon" and method == "vmap":
+        continue
+      step = make_private_step(opt, loss_fn, clipped_sum_method=method, microbatch_size=micro)
+      state, empty = opt.init(params), step.empty_overflow(params)
+      steps[f"{name} {method}"] = (
+          lambda p, b, m, s=step, st=state, e=empty: s.step(p, st, b, m, e))
+  return steps
+
+
+def check_gpt2_ghost(quick: bool, repeats: int) -> None:
+  from flax import nnx
+
+  from dpmuon_jax.models.taps import tapped
+  from dpmuon_jax.text.gpt2 import GPT2, GPT2_SMALL, GPT2Config, gpt2_model, lm_loss
+
+  config = (GPT2Config(vocab_size=512, max_positions=64, dim=32, num_layers=1, num_heads=2)
+            if quick else GPT2_SMALL)
+  batch_size, length = (8, 32) if quick else (64, 128)
+  apply, params = gpt2_model(tapped(GPT2(config, rngs=nnx.Rngs(0))))
+  tokens = jax.random.randint(jax.random.key(1), (batch_size, length), 0, config.vocab_size)
+  batch = {"tokens": tokens, "loss_mask": jnp.ones((batch_size, length), jnp.int32)}
+  mask = jnp.ones(batch_size, bool)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  print(f"\n== GPT-2 ({n / 1e6:.1f}M parameters), B = {batch_size}, T = {length}")
+  base = None
+  for name, fn in _gpt2_steps(lm_loss(apply), params, batch_size).items():
+    seconds = _median_time(lambda f=fn: f(params, batch, mask), repeats)
+    base = base or seconds
+    print(f"{name:>16}: {batch_size * length / seconds:12.0f} tokens/s  "
+          f"{seconds / base:5.2f}× non-private  peak memory so far {_peak_gib():.2f} GiB")
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="reduced sizes for a CPU smoke run")
@@ -142,6 +195,7 @@ def main() -> int:
   check_update_ratio(wrn_params, repeats)
   if not args.skip_step:
     check_step_ratio(*step_args)
+  check_gpt2_ghost(args.quick, 3 if args.quick else 5)
   print(f"\nwall time {time.perf_counter() - start:.1f} s; accuracy {'OK' if ok else 'FAILED'}")
   return 0 if ok else 1
 
