@@ -1,19 +1,40 @@
 """Run one GPT-2 experiment of :mod:`experiments.text_configs`; write its CSVs and plot.
 
     python -m experiments.text_sweep e2e_cpu_im --data-dir ../shared/data/text      # CPU
+    python -m experiments.text_sweep e2e_pretrained_cpu --data-dir ../shared/data/text \\
+        --gpt2-dir runs/pretrained_dart                                             # CPU
     python -m experiments.text_sweep paper2_table2_e2e --data-dir DATA --gpt2-dir HF_GPT2
     python -m experiments.text_sweep paper2_table2_e2e --data-dir DATA --tiny        # CI
+    python -m experiments.text_sweep e2e_pretrained_cpu --data-dir DATA --measure \\
+        --variants DP-Muon DP-Muon-IM --methods vmap ghost                          # timing
 
-``--gpt2-dir`` is a local Hugging Face ``gpt2`` directory (``model.safetensors``
-+ ``config.json``; nothing is downloaded). ``--tiny`` builds every run's
-optimizer and runs one release of the first run on a tiny GPT-2 and a few
-validation pairs, so configs cannot rot (every LM optimizer's step on GPT-2
-is tested in ``tests/test_text.py``).
+``--gpt2-dir`` is a local GPT-2 in the Hugging Face layout (``model.safetensors``
++ ``config.json``; nothing is downloaded): the real ``gpt2`` weights for the
+``paper2_*`` experiments, the public DART-pretrained model of
+:mod:`experiments.pretrain_public` (``runs/pretrained_dart``) for
+``e2e_pretrained_cpu``. ``--tiny`` builds every run's optimizer and runs one
+release of the first run on a tiny GPT-2 and a few validation pairs, so
+configs cannot rot (every LM optimizer's step on GPT-2 is tested in
+``tests/test_text.py``). ``--measure`` times releases of the chosen variants
+at the experiment's settings (q, capacity, microbatch) with each
+clipped-sum method and appends them to ``<out>/release_times.csv``: what the
+CPU experiments' number of releases T is sized from. It trains no recorded run.
+
+Restartable: each finished run's row is appended to ``<out>/runs.csv`` at
+once (flushed and fsynced), and a rerun skips every (variant, target ε, seed)
+already recorded, then rewrites the summary and plots from all the rows. A run
+interrupted midway is redone from scratch: its partial releases were never
+published (nothing of a run leaves it before its row), and the rerun with the
+same seed draws the same samples and noise, so it recomputes the same
+releases (up to floating-point nondeterminism of the backend).
 
 Writes ``<out>/runs.csv`` (one row per variant × ε × seed: ε spent, σ,
-releases, validation NLL per target token, BLEU / ROUGE-L per decoded split,
-training seconds, peak memory), ``<out>/summary.csv`` (mean ± std over
-seeds), ``<out>/<metric>_vs_epsilon.png`` and, for diagnostic runs,
+releases, gradient evaluations per example, validation NLL per target token,
+BLEU / ROUGE-L per decoded split, training and whole-run seconds, peak
+memory), ``<out>/summary.csv`` (mean ± std over seeds),
+``<out>/<metric>_vs_epsilon.png``, for fine-tuning ``<out>/zero_shot.json``
+(the checkpoint before any release: validation NLL and the decoded splits'
+scores, the floor every run should beat) and, for diagnostic runs,
 ``<out>/diagnostics.csv`` with its paired summary in ``diagnostics.json``
 (NON-PRIVATE analysis).
 """
@@ -23,27 +44,42 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import inspect
 import json
 import os
+import shutil
 import statistics
+import time
 
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
-from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
+from dpmuon_jax.optimizers import registry
+from dpmuon_jax.privacy.disk_query import single_point
+from dpmuon_jax.text.data import encode_pairs, load_text_dataset
+from dpmuon_jax.text.metrics import mean_token_nll
+from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, score_split, train_lm
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.tracking import MissingExtraError
-from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment
+from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant
 
 TINY_MODEL = {"dim": 16, "num_layers": 1, "num_heads": 2, "max_positions": 160}
 METRICS = ("valid_nll", "valid_bleu", "valid_rouge_l", "test_bleu", "test_rouge_l")
+RUN_FIELDS = (
+    "variant", "optimizer", "target_epsilon", "seed", "epsilon_spent", "delta",
+    "noise_multiplier", "releases", "grad_evals_per_example", "clipped_sum_method",
+    "pretrained", "valid_nll", "valid_bleu", "valid_rouge_l", "test_bleu", "test_rouge_l",
+    "train_seconds", "run_seconds", "peak_rss_gib", "peak_device_gib",
+)
+_TEXT_FIELDS = ("variant", "optimizer", "clipped_sum_method", "pretrained")
 
 
-def run_config(exp: TextExperiment, variant, epsilon: float, seed: int, out: str,
+def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int, out: str,
                data_dir: str, gpt2_dir: str | None, tiny: bool) -> LMTrainConfig:
   """The :class:`LMTrainConfig` of one run (``tiny``: one release on tiny shapes)."""
   config = LMTrainConfig(
       data_dir=data_dir,
       dataset=exp.dataset,
-      output_dir=os.path.join(out, "runs", f"{_slug(variant.label)}_eps{epsilon:g}_s{seed}"),
+      output_dir=run_dir(out, variant, epsilon, seed),
       init_weights=gpt2_dir if exp.pretrained else None,
       model=exp.model,
       model_overrides=dict(exp.model_overrides),
@@ -56,14 +92,17 @@ def run_config(exp: TextExperiment, variant, epsilon: float, seed: int, out: str
       epsilon=epsilon,
       delta=exp.delta,
       sampling_rate=exp.sampling_rate,
-      steps=exp.steps,
+      steps=exp.steps * variant.releases,
       denominator=exp.denominator,
       clip=exp.clip,
       seed=seed,
       microbatch_size=exp.microbatch_size,
+      clipped_sum_method=exp.clipped_sum_method,
       capacity=exp.capacity,
+      eval_every=exp.eval_every,
       eval_pairs=exp.eval_pairs,
       generate_splits=exp.generate_splits,
+      max_new_tokens=exp.max_new_tokens,
       diagnostic_steps=exp.diagnostic_steps,
   )
   if not tiny:
@@ -71,9 +110,13 @@ def run_config(exp: TextExperiment, variant, epsilon: float, seed: int, out: str
   return dataclasses.replace(
       config, init_weights=None, model="gpt2_tiny", model_overrides=TINY_MODEL, vocab_size=512,
       train_split="valid", train_subset=64, sampling_rate=0.125, steps=1, denominator=8.0,
-      microbatch_size=8, capacity=None, eval_pairs=16, generate_groups=2, max_new_tokens=4,
-      diagnostic_steps=(0,) if exp.diagnostic_steps else (),
+      microbatch_size=8, capacity=None, eval_every=None, eval_pairs=16, generate_groups=2,
+      max_new_tokens=4, diagnostic_steps=(0,) if exp.diagnostic_steps else (),
   )
+
+
+def run_dir(out: str, variant: Variant, epsilon: float, seed: int) -> str:
+  return os.path.join(out, "runs", f"{_slug(variant.label)}_eps{epsilon:g}_s{seed}")
 
 
 def check_buildable(exp: TextExperiment, out: str, data_dir: str) -> None:
@@ -84,34 +127,136 @@ def check_buildable(exp: TextExperiment, out: str, data_dir: str) -> None:
     lm_optimizer(run_config(exp, variant, epsilon, seed, out, data_dir, None, False), release)
 
 
+def gradient_evaluations(optimizer: str, kwargs: dict, releases: int) -> int:
+  """Per-example gradient evaluations over ``releases`` releases, Σ_t n_t, by the query:
+
+  * the gradient (DP-Muon, DP-Muon-BC): n_t = 1;
+  * DiSK's (KF): n_t = 2, but n_0 = 1 (d_0 = 0: both points are θ_0), and 1
+    throughout when κ, γ make it a single point;
+  * inner momentum's: n_t = min(K, t) + 1 with K = max(K_Muon, K_AdamW)
+    (each past state's full gradient is evaluated once; K_t < K while the
+    history fills);
+  * KF + IM: the current state's term replaced by DiSK's, n_t = min(K, t) + 2, n_0 = 1.
+
+  These are the evaluations the query needs. The implementation keeps static
+  shapes: it evaluates K + 1 (IM) or 2 (DiSK) gradients at every release,
+  weighting the missing terms zero, so its wall time per release is constant.
+  """
+  query = registry.OPTIMIZERS[optimizer].query
+  history = 0
+  if query in ("inner_momentum", "disk_inner_momentum"):
+    defaults = inspect.signature(registry.OPTIMIZERS[optimizer].factory).parameters
+    history = kwargs.get("history", defaults["history"].default)
+    fallback = kwargs.get("fallback_history")
+    history = max(history, history if fallback is None else fallback)
+  two_points = query in ("disk", "disk_inner_momentum") and not (
+      "kappa" in kwargs and "gamma" in kwargs
+      and single_point(kwargs["kappa"], kwargs["gamma"]) is not None)
+  return sum(min(history, t) + 1 + int(two_points and t > 0) for t in range(releases))
+
+
+# ---------------------------------------------------------------------------
+# The restartable driver.
+
+
+def read_rows(path: str) -> list[dict]:
+  """The recorded rows, numbers parsed; an older header is rewritten to :data:`RUN_FIELDS`."""
+  if not os.path.exists(path):
+    return []
+  with open(path, newline="") as f:
+    reader = csv.DictReader(f)
+    rows = list(reader)
+    header = tuple(reader.fieldnames or ())
+  if header != RUN_FIELDS:
+    if set(header) - set(RUN_FIELDS):
+      raise SystemExit(f"{path} has columns {sorted(set(header) - set(RUN_FIELDS))} that this "
+                       "sweep does not write: move the file away to start afresh.")
+    write_csv(path + ".tmp", rows, RUN_FIELDS)
+    os.replace(path + ".tmp", path)
+  return [_parse(r) for r in rows]
+
+
+def _parse(row: dict) -> dict:
+  out = {}
+  for name in RUN_FIELDS:
+    value = row.get(name, "")
+    out[name] = value if name in _TEXT_FIELDS or value == "" else float(value)
+  out["seed"] = int(out["seed"])
+  return out
+
+
+def append_row(path: str, row: dict) -> None:
+  """Appends one finished run (header first if the file is new), flushed and fsynced at once."""
+  new = not os.path.exists(path)
+  with open(path, "a", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=RUN_FIELDS)
+    if new:
+      writer.writeheader()
+    writer.writerow(row)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def run_key(label: str, epsilon: float, seed: int) -> tuple[str, float, int]:
+  """What identifies a run in ``runs.csv``: (variant label, target ε, seed)."""
+  return label, float(epsilon), int(seed)
+
+
 def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = None,
         tiny: bool = False, log_dir: str | None = None) -> list[dict]:
-  """Runs the experiment; ``log_dir``: each run's TensorBoard logs in a folder of its own."""
+  """Trains every run not yet in ``out/runs.csv``, then summarises all of them.
+
+  ``log_dir``: each run's TensorBoard logs in a folder of its own. Returns the
+  experiment's rows, in :meth:`TextExperiment.runs` order.
+  """
   if exp.pretrained and gpt2_dir is None and not tiny:
-    raise SystemExit(f"{exp.name} fine-tunes GPT-2 small: pass --gpt2-dir, a local Hugging Face "
-                     "gpt2 directory (model.safetensors + config.json).")
+    raise SystemExit(f"{exp.name} fine-tunes a pretrained GPT-2: pass --gpt2-dir, {exp.weights}.")
   os.makedirs(out, exist_ok=True)
   check_buildable(exp, out, data_dir)
-  runs = list(exp.runs())
-  if tiny:  # every run was built above; one release of the first, on tiny shapes
-    runs = runs[:1]
-  rows, diagnostics = [], []
+  if exp.pretrained and not tiny:
+    zero_shot(exp, data_dir, gpt2_dir, out)  # pyright: ignore[reportArgumentType]  # checked
+  path = os.path.join(out, "runs.csv")
+  done = {run_key(r["variant"], r["target_epsilon"], r["seed"]) for r in read_rows(path)}
+  runs = list(exp.runs())[:1] if tiny else list(exp.runs())  # tiny: the first, tiny shapes
   for variant, epsilon, seed in runs:
+    if run_key(variant.label, epsilon, seed) in done:
+      continue
     config = run_config(exp, variant, epsilon, seed, out, data_dir, gpt2_dir, tiny)
     if log_dir is not None:
       config = dataclasses.replace(
           config, log_dir=os.path.join(log_dir, os.path.basename(config.output_dir)))
+      shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
+    shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
+    started = time.perf_counter()
     results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None)
-    rows.append(_row(variant.label, variant.optimizer, epsilon, seed, results))
-    print(json.dumps(rows[-1]), flush=True)
-    path = os.path.join(config.output_dir, "diagnostics.csv")
+    row = _row(variant, epsilon, seed, config, results, time.perf_counter() - started)
+    append_row(path, row)
+    print(json.dumps(row), flush=True)
+  order = {run_key(v.label, e, s): i for i, (v, e, s) in enumerate(runs)}
+  rows = sorted((r for r in read_rows(path)
+                 if run_key(r["variant"], r["target_epsilon"], r["seed"]) in order),
+                key=lambda r: order[run_key(r["variant"], r["target_epsilon"], r["seed"])])
+  _write_summaries(exp, out, rows, [run_dir(out, v, e, s) for v, e, s in runs])
+  return rows
+
+
+def _write_summaries(exp: TextExperiment, out: str, rows: list[dict], dirs: list[str]) -> None:
+  """summary.csv, the plot, experiment.json and (diagnostic runs) diagnostics.csv/json."""
+  by_variant = {v.label: i for i, v in enumerate(exp.variants)}
+  summary = sorted(summarise(rows), key=lambda r: (by_variant[r["variant"]],
+                                                   r["target_epsilon"]))
+  write_csv(os.path.join(out, "summary.csv"), summary)
+  floor = None
+  if os.path.exists(os.path.join(out, "zero_shot.json")):
+    with open(os.path.join(out, "zero_shot.json")) as f:
+      floor = _plotted(exp, json.load(f))
+  _plot(os.path.join(out, f"{exp.metric}_vs_epsilon.png"), summary, exp, floor)
+  diagnostics = []
+  for directory in dirs:
+    path = os.path.join(directory, "diagnostics.csv")
     if os.path.exists(path):
       with open(path) as f:
         diagnostics += list(csv.DictReader(f))
-  write_csv(os.path.join(out, "runs.csv"), rows)
-  summary = summarise(rows)
-  write_csv(os.path.join(out, "summary.csv"), summary)
-  _plot(os.path.join(out, f"{exp.metric}_vs_epsilon.png"), summary, exp)
   if diagnostics:
     write_csv(os.path.join(out, "diagnostics.csv"), diagnostics)
     protocol = summarise_protocol([_protocol_row(d) for d in diagnostics])
@@ -120,19 +265,24 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
                  for name in ("polar_error", "cosine_error", "clipping_residual")}, f, indent=2)
   with open(os.path.join(out, "experiment.json"), "w") as f:
     json.dump(dataclasses.asdict(exp), f, indent=2)
-  return rows
 
 
-def _row(label: str, optimizer: str, epsilon: float, seed: int, results: dict) -> dict:
-  row = {"variant": label, "optimizer": optimizer, "target_epsilon": epsilon, "seed": seed,
-         "epsilon_spent": results["epsilon_spent"], "delta": results["delta"],
-         "noise_multiplier": results["noise_multiplier"], "releases": results["releases"],
+def _row(variant: Variant, epsilon: float, seed: int, config: LMTrainConfig, results: dict,
+         run_seconds: float) -> dict:
+  releases = int(results["releases"])
+  row = {"variant": variant.label, "optimizer": variant.optimizer, "target_epsilon": epsilon,
+         "seed": seed, "epsilon_spent": results["epsilon_spent"], "delta": results["delta"],
+         "noise_multiplier": results["noise_multiplier"], "releases": releases,
+         "grad_evals_per_example": gradient_evaluations(
+             variant.optimizer, config.optimizer_kwargs, releases),
+         "clipped_sum_method": config.clipped_sum_method,
          "pretrained": results["pretrained"], "valid_nll": results["valid_nll"]}
   for split in ("valid", "test"):
     scores = results["scores"].get(split, {})
     row[f"{split}_bleu"] = scores.get("bleu", "")
     row[f"{split}_rouge_l"] = scores.get("rouge_l", "")
   row["train_seconds"] = results["train_seconds"]
+  row["run_seconds"] = run_seconds
   row["peak_rss_gib"] = results["peak_rss_gib"]
   row["peak_device_gib"] = results.get("peak_device_gib", "")
   return row
@@ -149,6 +299,8 @@ def summarise(rows: list[dict]) -> list[dict]:
   for key in dict.fromkeys((r["variant"], r["target_epsilon"]) for r in rows):
     group = [r for r in rows if (r["variant"], r["target_epsilon"]) == key]
     row = {"variant": key[0], "target_epsilon": key[1], "seeds": len(group),
+           "releases": group[0]["releases"],
+           "grad_evals_per_example": group[0]["grad_evals_per_example"],
            "max_epsilon_spent": max(r["epsilon_spent"] for r in group),
            "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in group),
            "peak_rss_gib_max": max(r["peak_rss_gib"] for r in group)}
@@ -165,14 +317,108 @@ def _slug(label: str) -> str:
   return "".join(c if c.isalnum() else "_" for c in label).strip("_").lower()
 
 
-def _plot(path: str, summary: list[dict], exp: TextExperiment) -> None:
+# ---------------------------------------------------------------------------
+# The pretrained checkpoint before fine-tuning, and release timing.
+
+
+def zero_shot(exp: TextExperiment, data_dir: str, gpt2_dir: str, out: str) -> dict:
+  """The checkpoint's own scores before any release, as the runs are scored; cached in
+  ``out/zero_shot.json`` (with the checkpoint's own ``results.json`` value, if any)."""
+  path = os.path.join(out, "zero_shot.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  config = LMTrainConfig(data_dir=data_dir, dataset=exp.dataset, init_weights=gpt2_dir,
+                         vocab_size=exp.vocab_size, max_length=exp.max_length,
+                         eval_pairs=exp.eval_pairs, generate_groups=exp.generate_groups,
+                         max_new_tokens=exp.max_new_tokens)
+  tokenizer = GPT2Tokenizer(os.path.join(data_dir, "gpt2"), exp.vocab_size)
+  apply, params, _, _ = load_model(config, tokenizer.vocab_size)
+  valid = load_text_dataset(exp.dataset, data_dir, "valid")
+  arrays = encode_pairs(tokenizer, valid.pairs[:exp.eval_pairs], exp.max_length)
+  started = time.perf_counter()
+  record = {"checkpoint": gpt2_dir,
+            "valid_nll": mean_token_nll(apply, params, arrays, config.eval_batch_size)}
+  record["valid_nll_seconds"] = time.perf_counter() - started
+  record["scores"] = {split: score_split(apply, params, tokenizer,
+                                         load_text_dataset(exp.dataset, data_dir, split), config)
+                      for split in exp.generate_splits}
+  record["decode_seconds"] = time.perf_counter() - started - record["valid_nll_seconds"]
+  checkpoint = os.path.join(gpt2_dir, "results.json")
+  if os.path.exists(checkpoint):
+    with open(checkpoint) as f:
+      saved = json.load(f)
+    record["checkpoint_valid_nll"] = saved.get("e2e_valid_zero_shot_nll")
+    record["checkpoint_sha256"] = saved.get("sha256")
+  with open(path, "w") as f:
+    json.dump(record, f, indent=2, default=float)
+  return record
+
+
+def _plotted(exp: TextExperiment, record: dict) -> float | None:
+  metric = _plot_metric(exp)
+  if metric == "valid_nll":
+    return record["valid_nll"]
+  split, name = metric.split("_", 1)
+  return record["scores"].get(split, {}).get(name)
+
+
+def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
+            labels: list[str] | None = None, methods: tuple[str, ...] = ("vmap", "ghost"),
+            microbatch_sizes: tuple[int, ...] = (), releases: int = 2) -> list[dict]:
+  """Times ``releases`` releases (after a first one that compiles) of each variant, method
+  and microbatch size at the experiment's q, D, capacity and ε = max; appends the rows to
+  ``out/release_times.csv`` with the 1-minute load average (the time of a release on
+  shared cores depends on it). Without ``gpt2_dir`` the model is ``exp.model`` from
+  scratch (the same shapes: the time does not depend on the weights' values). Peak RSS
+  is the measuring process's peak so far (all measurements of a call share it)."""
+  variants = [v for v in exp.variants if labels is None or v.label in labels]
+  rows = []
+  for variant in variants:
+    for method in methods:
+      for microbatch in microbatch_sizes or (exp.microbatch_size,):
+        config = dataclasses.replace(
+            run_config(exp, variant, max(exp.epsilons), exp.seeds[0], out, data_dir, gpt2_dir,
+                       False),
+            output_dir=os.path.join(out, "runs", "measure",
+                                    f"{_slug(variant.label)}_{method}_mb{microbatch}"),
+            init_weights=gpt2_dir, steps=releases + 1, eval_every=1, eval_pairs=1,
+            generate_splits=(), clipped_sum_method=method, microbatch_size=microbatch)
+        results = train_lm(config)
+        with open(os.path.join(config.output_dir, "history.csv")) as f:
+          seconds = [float(r["seconds"]) for r in csv.DictReader(f)]
+        rows.append({"variant": variant.label, "optimizer": variant.optimizer,
+                     "method": method, "microbatch_size": microbatch, "capacity": exp.capacity,
+                     "first_release_seconds": seconds[0],
+                     "release_seconds": (seconds[-1] - seconds[0]) / releases,
+                     "timed_releases": releases, "peak_rss_gib": results["peak_rss_gib"],
+                     "load_average_1min": os.getloadavg()[0]})
+        print(json.dumps(rows[-1]), flush=True)
+        _append_dict(os.path.join(out, "release_times.csv"), rows[-1])
+  return rows
+
+
+def _append_dict(path: str, row: dict) -> None:
+  previous = []
+  if os.path.exists(path):
+    with open(path, newline="") as f:
+      previous = list(csv.DictReader(f))
+  write_csv(path, previous + [row])
+
+
+def _plot_metric(exp: TextExperiment) -> str:
+  if exp.metric == "valid_nll":
+    return "valid_nll"
+  return "test_bleu" if "test" in exp.generate_splits else "valid_bleu"
+
+
+def _plot(path: str, summary: list[dict], exp: TextExperiment, floor: float | None = None) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  metric = exp.metric if exp.metric == "valid_nll" else (
-      "test_bleu" if "test" in exp.generate_splits else "valid_bleu")
+  metric = _plot_metric(exp)
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
   labels = list(dict.fromkeys(r["variant"] for r in summary if f"{metric}_mean" in r))
   if len({r["target_epsilon"] for r in summary}) == 1:  # one ε: a bar per variant
@@ -190,6 +436,9 @@ def _plot(path: str, summary: list[dict], exp: TextExperiment) -> None:
                   yerr=[r[f"{metric}_std"] for r in rows], marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("target ε")
+  if floor is not None:
+    ax.axhline(floor, color="gray", linestyle="--", label="pretrained, no fine-tuning")
+  ax.set_ylabel(metric)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)
   fig.tight_layout()
@@ -203,17 +452,32 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("experiment", choices=sorted(TEXT_EXPERIMENTS))
   parser.add_argument("--data-dir", required=True,
                       help="folder with e2e/, dart/ and gpt2/ (the layout of shared/data/text)")
-  parser.add_argument("--gpt2-dir", default=None, help="local Hugging Face gpt2 weights")
+  parser.add_argument("--gpt2-dir", default=None,
+                      help="a local GPT-2 in the Hugging Face layout: the real gpt2 weights "
+                      "(paper2_*) or experiments.pretrain_public's runs/pretrained_dart "
+                      "(e2e_pretrained_cpu)")
   parser.add_argument("--out", default=None, help="default: experiments/results/<experiment>")
   parser.add_argument("--tiny", action="store_true", help="one release, tiny shapes")
   parser.add_argument("--log-dir", default=None,
                       help="also write TensorBoard event files, one folder per run (needs the "
                       "'tensorboard' extra)")
+  parser.add_argument("--measure", action="store_true",
+                      help="time releases instead of running the experiment")
+  parser.add_argument("--variants", nargs="+", default=None, help="--measure: these labels")
+  parser.add_argument("--methods", nargs="+", default=["vmap", "ghost"],
+                      help="--measure: clipped-sum methods")
+  parser.add_argument("--microbatch-sizes", nargs="+", type=int, default=[],
+                      help="--measure: default the experiment's")
+  parser.add_argument("--releases", type=int, default=2, help="--measure: timed releases")
   args = parser.parse_args(argv)
   exp = TEXT_EXPERIMENTS[args.experiment]
   out = args.out or os.path.join(os.path.dirname(__file__), "results", exp.name)
   try:
-    run(exp, out, args.data_dir, args.gpt2_dir, args.tiny, args.log_dir)
+    if args.measure:
+      measure(exp, out, args.data_dir, args.gpt2_dir, args.variants, tuple(args.methods),
+              tuple(args.microbatch_sizes), args.releases)
+    else:
+      run(exp, out, args.data_dir, args.gpt2_dir, args.tiny, args.log_dir)
   except MissingExtraError as error:
     raise SystemExit(f"text_sweep: error: {error}") from None
   return 0

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 from dpmuon_jax.privacy.accounting import compute_epsilon
+from dpmuon_jax.text.data import encode_pairs, load_text_dataset
+from dpmuon_jax.text.hf_weights import save_hf_gpt2
+from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
-from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, train_lm
+from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, train_lm
+from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.transforms.history import ordered_history, param_history
 from experiments import text_sweep
-from experiments.text_configs import TEXT_EXPERIMENTS, im_preset
+from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant, im_preset
 
 TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
 needs_text_data = pytest.mark.skipif(
@@ -116,7 +120,7 @@ def test_bad_settings_are_refused(tmp_path):
 def test_paper2_settings_in_the_full_scale_configs():
   for exp in TEXT_EXPERIMENTS.values():
     if exp.scale == "cpu":
-      assert exp.scaling and not exp.pretrained
+      assert exp.scaling
       continue
     assert exp.pretrained and exp.model == "gpt2" and exp.vocab_size is None
     assert exp.seeds[0] == 37 and exp.clip == 1.0
@@ -151,3 +155,167 @@ def test_full_scale_configs_refuse_to_run_without_weights(tmp_path):
   with pytest.raises(SystemExit, match="--gpt2-dir"):
     text_sweep.run(exp, str(tmp_path), TEXT_DIR)
   assert dataclasses.replace(exp, pretrained=False).pretrained is False
+
+
+def test_pretrained_cpu_experiment_keeps_paper2_protocol():
+  exp = TEXT_EXPERIMENTS["e2e_pretrained_cpu"]
+  assert exp.pretrained and exp.vocab_size == 8192 and exp.scaling
+  assert exp.sampling_rate == pytest.approx(1 / 41) and exp.denominator == 1025.0
+  assert exp.epsilons == (1.0, 8.0) and exp.seeds == (37, 38, 39) and exp.delta == 1e-5
+  assert (exp.learning_rate, exp.fallback_learning_rate) == (0.002, 0.0035)
+  assert exp.capacity % exp.microbatch_size == 0
+  # The most informative runs first: ε = 8, seed 37, every variant; ε = 1 last.
+  runs = list(exp.runs())
+  assert [v.label for v, _, _ in runs[:len(exp.variants)]] == [v.label for v in exp.variants]
+  assert {(e, s) for _, e, s in runs[:len(exp.variants)]} == {(8.0, 37)}
+  assert runs[-1][1] == 1.0 and len(runs) == len(exp.variants) * 6
+  variants = {v.label: v for v in exp.variants}
+  assert variants["DP-Muon-IM"].optimizer_kwargs("e2e", 8.0) == im_preset("e2e", 8.0)
+  assert variants["DP-Muon-IM"].optimizer_kwargs("e2e", 1.0) == im_preset("e2e", 1.0)
+  kf_im = variants["KF+IM"].optimizer_kwargs("e2e", 8.0)
+  assert kf_im == {**im_preset("e2e", 8.0), "kappa": 0.5, "gamma": 0.8}
+  assert variants["KF-Muon"].optimizer_kwargs("e2e", 1.0) == {"kappa": 0.5, "gamma": 0.8}
+  # Equal compute: IM at K = 1 (two gradients per example) vs DP-Muon with 2T releases.
+  config = text_sweep.run_config(exp, variants["DP-Muon (2T releases)"], 8.0, 37, "o", "d",
+                                 "w", False)
+  assert config.steps == 2 * exp.steps and config.init_weights == "w"
+  k1 = variants["DP-Muon-IM (K = 1)"]
+  assert text_sweep.gradient_evaluations(k1.optimizer, k1.optimizer_kwargs("e2e", 8.0),
+                                         exp.steps) == 2 * exp.steps - 1
+
+
+def test_gradient_evaluations_count_each_query_exactly():
+  count = text_sweep.gradient_evaluations
+  assert count("dp_muon", {}, 10) == 10 and count("dp_muon_bc", {}, 10) == 10
+  # Inner momentum: min(K, t) + 1 with K the longest history of both groups.
+  im = {"history": 4, "decay": 0.5, "fallback_history": 2, "fallback_decay": 0.5}
+  assert count("dp_muon_im", im, 3) == 1 + 2 + 3
+  assert count("dp_muon_im", im, 10) == 1 + 2 + 3 + 4 + 6 * 5
+  assert count("dp_muon_im", {**im, "history": 0, "fallback_history": 3}, 5) == 1 + 2 + 3 + 4 + 4
+  assert count("dp_muon_im", {}, 4) == 1 + 3 * 2  # the factory's default K = 1
+  # DiSK: two points after the first release (d_0 = 0), one when κ, γ make it one point.
+  assert count("dp_disk_muon", {"kappa": 0.5, "gamma": 0.8}, 10) == 1 + 9 * 2
+  assert count("dp_disk_muon", {"kappa": 0.5, "gamma": 1.0}, 10) == 10  # c = 1
+  assert count("dp_disk_muon_im", {**im, "kappa": 0.5, "gamma": 0.8}, 6) == 1 + 3 + 4 + 5 + 6 + 6
+
+
+def _fake_experiment(**kw) -> TextExperiment:
+  base = dict(name="fake", table="fake", dataset="e2e",
+              variants=(Variant("A", "dp_muon"), Variant("B", "dp_muon", releases=2)),
+              epsilons=(1.0, 8.0), seeds=(37, 38), steps=3, pretrained=False, model="gpt2_tiny",
+              generate_splits=("test",), scale="cpu", scaling="fake")
+  return TextExperiment(**{**base, **kw})
+
+
+class _FakeTrainer:
+  """Stands in for train_lm: records the runs, fails on call ``fail_at`` (1-based)."""
+
+  def __init__(self, fail_at: int | None = None):
+    self.calls, self.fail_at, self.leftovers = [], fail_at, []
+
+  def __call__(self, config, probe=None):
+    marker = os.path.join(config.output_dir, "partial")
+    self.leftovers.append(os.path.exists(marker))
+    os.makedirs(config.output_dir, exist_ok=True)
+    open(marker, "w").close()
+    self.calls.append((config.optimizer, config.epsilon, config.seed, config.steps))
+    if len(self.calls) == self.fail_at:
+      raise KeyboardInterrupt  # the run dies midway
+    nll = 3.0 + config.seed / 100 + len(self.calls) / 1000
+    return {"epsilon_spent": config.epsilon * 0.99, "delta": config.delta,
+            "noise_multiplier": 1.0, "releases": config.steps, "pretrained": False,
+            "valid_nll": nll, "scores": {"test": {"bleu": 10.0 * nll, "rouge_l": 20.0}},
+            "train_seconds": 1.0, "peak_rss_gib": 0.5}
+
+
+def test_sweep_is_restartable_and_a_rerun_trains_nothing_new(tmp_path, monkeypatch):
+  exp = _fake_experiment()
+  fake = _FakeTrainer(fail_at=3)
+  monkeypatch.setattr(text_sweep, "train_lm", fake)
+  with pytest.raises(KeyboardInterrupt):
+    text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  recorded = text_sweep.read_rows(str(tmp_path / "runs.csv"))
+  assert [(r["variant"], r["target_epsilon"], r["seed"]) for r in recorded] == [
+      ("A", 8.0, 37), ("B", 8.0, 37)]  # appended as each run finished
+  # The rerun redoes the interrupted run from scratch (its files removed), then the rest.
+  fake = _FakeTrainer()
+  monkeypatch.setattr(text_sweep, "train_lm", fake)
+  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  assert [c[1:3] for c in fake.calls] == [(8.0, 38), (8.0, 38), (1.0, 37), (1.0, 37), (1.0, 38),
+                                          (1.0, 38)]
+  assert fake.leftovers == [False] * 6
+  assert [(r["variant"], r["target_epsilon"], r["seed"]) for r in rows] == [
+      (v.label, e, s) for v, e, s in exp.runs()]
+  # The releases multiplier: B has 2T releases and 2T gradient evaluations per example.
+  assert {r["variant"]: (r["releases"], r["grad_evals_per_example"]) for r in rows} == {
+      "A": (3, 3), "B": (6, 6)}
+  # A third invocation trains nothing and rewrites the summary from the recorded rows.
+  (tmp_path / "summary.csv").unlink()
+  fake = _FakeTrainer()
+  monkeypatch.setattr(text_sweep, "train_lm", fake)
+  again = text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  assert fake.calls == [] and again == rows
+  with open(tmp_path / "summary.csv") as f:
+    summary = list(csv.DictReader(f))
+  assert [(r["variant"], float(r["target_epsilon"]), int(r["seeds"])) for r in summary] == [
+      ("A", 1.0, 2), ("A", 8.0, 2), ("B", 1.0, 2), ("B", 8.0, 2)]
+  with open(tmp_path / "runs.csv") as f:
+    assert len(list(csv.DictReader(f))) == 8
+
+
+def test_an_older_runs_file_gains_the_new_columns(tmp_path, monkeypatch):
+  exp = _fake_experiment(epsilons=(8.0,), seeds=(37,))
+  old = {"variant": "A", "optimizer": "dp_muon", "target_epsilon": 8.0, "seed": 37,
+         "epsilon_spent": 7.9, "delta": 1e-5, "noise_multiplier": 1.0, "releases": 3,
+         "pretrained": False, "valid_nll": 3.1, "valid_bleu": "", "valid_rouge_l": "",
+         "test_bleu": 5.0, "test_rouge_l": 20.0, "train_seconds": 2.0, "peak_rss_gib": 1.0,
+         "peak_device_gib": ""}
+  write_csv(str(tmp_path / "runs.csv"), [old])
+  fake = _FakeTrainer()
+  monkeypatch.setattr(text_sweep, "train_lm", fake)
+  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  assert [c[3] for c in fake.calls] == [6]  # only B (2T = 6 releases); A was recorded
+  assert rows[0]["valid_nll"] == 3.1 and rows[0]["grad_evals_per_example"] == ""
+  assert rows[1]["grad_evals_per_example"] == 6
+  write_csv(str(tmp_path / "runs.csv"), [{**old, "extra": 1}])
+  with pytest.raises(SystemExit, match="extra"):
+    text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+
+
+@needs_text_data
+def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, monkeypatch):
+  """zero_shot.json: the checkpoint's validation NLL and scores before any release."""
+  checkpoint = str(tmp_path / "checkpoint")
+  config = _tiny_config(tmp_path)
+  apply, params, gpt2_config, _ = load_model(config, 512)
+  save_hf_gpt2(params, gpt2_config, checkpoint)
+  with open(os.path.join(checkpoint, "results.json"), "w") as f:
+    json.dump({"e2e_valid_zero_shot_nll": 6.25, "sha256": {"model.safetensors": "abc"}}, f)
+  exp = dataclasses.replace(
+      TEXT_EXPERIMENTS["e2e_pretrained_cpu"], variants=(Variant("A", "dp_muon"),),
+      epsilons=(8.0,), seeds=(37,), vocab_size=512, eval_pairs=16, generate_groups=2,
+      max_new_tokens=4)
+  monkeypatch.setattr(text_sweep, "train_lm", _FakeTrainer())
+  text_sweep.run(exp, str(tmp_path / "out"), TEXT_DIR, gpt2_dir=checkpoint)
+  with open(tmp_path / "out" / "zero_shot.json") as f:
+    record = json.load(f)
+  tokenizer = GPT2Tokenizer(os.path.join(TEXT_DIR, "gpt2"), 512)
+  valid = load_text_dataset("e2e", TEXT_DIR, "valid").pairs[:16]
+  expected = mean_token_nll(apply, params, encode_pairs(tokenizer, valid, exp.max_length), 64)
+  assert record["valid_nll"] == pytest.approx(expected, rel=1e-6)
+  assert record["checkpoint_valid_nll"] == 6.25 and record["scores"]["test"]["groups"] == 2
+  assert (tmp_path / "out" / f"{exp.metric}_vs_epsilon.png").exists()
+
+
+@needs_text_data
+def test_cli_tiny_run_of_the_pretrained_cpu_experiment_and_its_rerun(tmp_path, monkeypatch):
+  args = ["e2e_pretrained_cpu", "--data-dir", TEXT_DIR, "--tiny", "--out", str(tmp_path)]
+  assert text_sweep.main(args) == 0
+  rows = text_sweep.read_rows(str(tmp_path / "runs.csv"))
+  assert [(r["variant"], r["target_epsilon"], r["seed"]) for r in rows] == [("DP-Muon", 8.0, 37)]
+  assert rows[0]["releases"] == 1 and rows[0]["grad_evals_per_example"] == 1
+  assert 0 < rows[0]["epsilon_spent"] <= 8.0 and rows[0]["test_bleu"] != ""
+  fake = _FakeTrainer()
+  monkeypatch.setattr(text_sweep, "train_lm", fake)
+  assert text_sweep.main(args) == 0
+  assert fake.calls == [] and text_sweep.read_rows(str(tmp_path / "runs.csv")) == rows
