@@ -208,7 +208,8 @@ def _train(args: argparse.Namespace) -> int:
       f"(best {results['best_test_accuracy']:.4f}); "
       f"ε = {results['epsilon_spent']:.3f} at δ = {results['delta']:g} "
       f"after {results['releases']} releases (σ = {results['noise_multiplier']:.4f}, "
-      f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json"
+      f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json",
+      flush=True,
   )
   return 0
 

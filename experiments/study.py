@@ -303,15 +303,10 @@ def read_rows(path: str) -> list[dict]:
 
 
 def append_row(path: str, row: dict) -> None:
-  """Appends one finished run (header first if the file is new), flushed at once."""
-  new = not os.path.exists(path)
-  with open(path, "a", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=RUN_FIELDS)
-    if new:
-      writer.writeheader()
-    writer.writerow(row)
-    f.flush()
-    os.fsync(f.fileno())
+  """Appends one finished run to ``runs.csv``, durably (``records.append_csv_row``)."""
+  from dpmuon_jax.training.records import append_csv_row
+
+  append_csv_row(path, row, RUN_FIELDS)
 
 
 def _key(arm: Arm, lr: float, seed: int) -> tuple[str, str, int]:

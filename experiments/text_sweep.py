@@ -58,7 +58,7 @@ from dpmuon_jax.text.data import encode_pairs, load_text_dataset
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, score_split, train_lm
-from dpmuon_jax.training.records import write_csv
+from dpmuon_jax.training.records import append_csv_row, write_csv
 from dpmuon_jax.training.tracking import MissingExtraError
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant
 
@@ -186,15 +186,8 @@ def _parse(row: dict) -> dict:
 
 
 def append_row(path: str, row: dict) -> None:
-  """Appends one finished run (header first if the file is new), flushed and fsynced at once."""
-  new = not os.path.exists(path)
-  with open(path, "a", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=RUN_FIELDS)
-    if new:
-      writer.writeheader()
-    writer.writerow(row)
-    f.flush()
-    os.fsync(f.fileno())
+  """Appends one finished run to ``runs.csv``, durably (:func:`append_csv_row`)."""
+  append_csv_row(path, row, RUN_FIELDS)
 
 
 def run_key(label: str, epsilon: float, seed: int) -> tuple[str, float, int]:

@@ -146,6 +146,7 @@ def main(path):
     result["one_device"] = releases(None, root, root)
   with open(path, "w") as f:
     json.dump(result, f)
+  print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from problems import history_after, quadratic_loss, random_tree, regression, release_noise_rms
 from stats import std_interval
 
 from dpmuon_jax.optimizers.filters import disk_query_spec
@@ -16,40 +16,22 @@ from dpmuon_jax.privacy.disk_query import disk_points, disk_weight
 from dpmuon_jax.privacy.inner_momentum import InnerMomentumInputs
 from dpmuon_jax.privacy.query import GRADIENT_QUERY, QuerySpec, gradient_query
 from dpmuon_jax.training.step import make_private_step
-from dpmuon_jax.transforms.history import find_history, param_history
+from dpmuon_jax.transforms.history import find_history
 
 KAPPA, GAMMA = 0.5, 0.8  # paper 2's KF baseline: c = 1.25
 
 
-def _loss(params, batch):
-  """ℓ(θ; x) = ½‖θ − x‖² per leaf: ∇ℓ(θ; x) = θ − x."""
-  return 0.5 * sum(jnp.sum(jnp.square(params[k] - batch[k][0])) for k in params)
-
-
-def _tree(seed, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return {"w": jnp.asarray(scale * rng.standard_normal((3, 2)), jnp.float32),
-          "b": jnp.asarray(scale * rng.standard_normal(2), jnp.float32)}
-
-
-def _history(states):
-  transform = param_history(len(states))
-  hist = transform.init(states[0])
-  for theta in states:
-    _, hist = transform.update(theta, hist, theta)
-  return hist
-
-
 def _inputs(theta, past, update):
-  return InnerMomentumInputs(theta, _history(past)), disk_points(theta, update, GAMMA)
+  inner = InnerMomentumInputs(theta, history_after(past, len(past)))
+  return inner, disk_points(theta, update, GAMMA)
 
 
 def test_joint_query_matches_the_hand_computed_formula():
   """K = 1, γ_IM = 0.5: w = (2/3, 1/3) and
   q = w_0 [c (θ + γd − x) + (1 − c)(θ − x)] + w_1 (θ_{t−1} − x)."""
-  theta, previous, update, x = _tree(1), _tree(2), _tree(3, 0.1), _tree(4)
+  theta, previous, update, x = random_tree(1), random_tree(2), random_tree(3, 0.1), random_tree(4)
   joint = substitute_current(inner_momentum_spec(1, 0.5), disk_query_spec(KAPPA, GAMMA))
-  got = joint.make_query(_loss)(_inputs(theta, [previous], update), x)
+  got = joint.make_query(quadratic_loss)(_inputs(theta, [previous], update), x)
   c = disk_weight(KAPPA, GAMMA)
   want = jax.tree.map(
       lambda t, p, d, xi: 2 / 3 * (c * (t + GAMMA * d - xi) + (1 - c) * (t - xi))
@@ -58,37 +40,23 @@ def test_joint_query_matches_the_hand_computed_formula():
 
 
 def test_composing_with_the_gradient_query_changes_nothing():
-  theta, previous, update, x = _tree(1), _tree(2), _tree(3, 0.1), _tree(4)
+  theta, previous, update, x = random_tree(1), random_tree(2), random_tree(3, 0.1), random_tree(4)
   im = inner_momentum_spec(1, 0.5)
-  inputs = InnerMomentumInputs(theta, _history([previous]))
+  inputs = InnerMomentumInputs(theta, history_after([previous], 1))
   plain_inner = substitute_current(im, GRADIENT_QUERY)
-  chex.assert_trees_all_close(plain_inner.make_query(_loss)((inputs, theta), x),
-                              im.make_query(_loss)(inputs, x), rtol=1e-6)
+  chex.assert_trees_all_close(plain_inner.make_query(quadratic_loss)((inputs, theta), x),
+                              im.make_query(quadratic_loss)(inputs, x), rtol=1e-6)
   disk = disk_query_spec(KAPPA, GAMMA)
   points = disk_points(theta, update, GAMMA)
   plain_outer = substitute_current(GRADIENT_QUERY, disk)
-  chex.assert_trees_all_close(plain_outer.make_query(_loss)((theta, points), x),
-                              disk.make_query(_loss)(points, x), rtol=1e-6)
+  chex.assert_trees_all_close(plain_outer.make_query(quadratic_loss)((theta, points), x),
+                              disk.make_query(quadratic_loss)(points, x), rtol=1e-6)
 
 
 def test_queries_without_terms_do_not_compose():
   custom = QuerySpec(gradient_query, GRADIENT_QUERY.inputs)
   with pytest.raises(ValueError, match="terms"):
     substitute_current(custom, disk_query_spec(KAPPA, GAMMA))
-
-
-def _regression(n=64, d_in=40, d_out=50, seed=0):
-  rng = np.random.default_rng(seed)
-  params = {"dense": {"kernel": jnp.asarray(rng.standard_normal((d_in, d_out)) * 0.1, jnp.float32),
-                      "bias": jnp.zeros(d_out, jnp.float32)}}
-  batch = {"x": jnp.asarray(rng.standard_normal((n, d_in)), jnp.float32),
-           "y": jnp.asarray(rng.standard_normal((n, d_out)) * 5, jnp.float32)}
-
-  def loss(p, b):
-    pred = b["x"] @ p["dense"]["kernel"] + p["dense"]["bias"]
-    return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - b["y"]), -1))
-
-  return params, batch, loss
 
 
 def _trained(opt, loss, params, batch, steps=2):
@@ -103,7 +71,7 @@ def test_each_example_is_one_query_clipped_to_c():
   """After two releases (history filled, d_t ≠ 0: three gradients per example, DiSK's
   current-point weight 1 − c = −0.25 negative), each example alone moves the clipped
   sum by ≤ C, and its query did exceed C."""
-  params, batch, loss = _regression()
+  params, batch, loss = regression()
   opt = dp_disk_muon_im(0.02, 1.0, 1.0, 50.0, key=5, history=1, kappa=KAPPA, gamma=GAMMA)
   step, params, state = _trained(opt, loss, params, batch)
   assert int(find_history(state).count) == 2
@@ -118,15 +86,14 @@ def test_the_release_adds_sigma_c_noise_once():
   fallback with lr 1 takes every leaf, so D·(θ_t − θ_{t+1}) − S_t is exactly the
   noise on the sum: N(0, (σC)²) per coordinate (two-sided χ² interval)."""
   c, sigma, d = 1.0, 2.0, 50.0
-  params, batch, loss = _regression()
+  params, batch, loss = regression()
   opt = dp_disk_muon_im(1.0, c, sigma, d, key=5, history=1, kappa=1.0, gamma=GAMMA,
                         routing=lambda path, leaf: False, fallback=Fallback(momentum=0.0))
   step, params, state = _trained(opt, loss, params, batch)
   mask = jnp.ones(64, bool)
   total = step.clipped_sum(params, state, batch, mask)
   new_params, _, _ = step(params, state, [(batch, mask)])
-  noise = jax.tree.map(lambda p, q, s: d * (p - q) - s, params, new_params, total.total)
-  flat = np.concatenate([np.ravel(v) for v in jax.tree.leaves(noise)])
-  rms = float(np.sqrt(np.mean(flat.astype(np.float64) ** 2)))
-  lo, hi = std_interval(flat.size, sigma * c)
+  rms = release_noise_rms(params, new_params, total.total, d)
+  size = sum(x.size for x in jax.tree.leaves(params))
+  lo, hi = std_interval(size, sigma * c)
   assert lo < rms < hi, (lo, rms, hi)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from problems import history_after, quadratic_loss, random_tree, regression, release_noise_rms
 from stats import std_interval
 
 from dpmuon_jax.optimizers.muon import dp_muon
@@ -21,26 +22,6 @@ from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms.history import find_history, param_history
 
 
-def _quadratic_loss(params, batch):
-  """ℓ(θ; x) = ½‖θ_w − x_w‖² + ½‖θ_b − x_b‖²: its gradient at θ is θ − x."""
-  return 0.5 * sum(jnp.sum(jnp.square(params[k] - batch[k][0])) for k in ("w", "b"))
-
-
-def _tree(seed, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return {"w": jnp.asarray(scale * rng.standard_normal((3, 2)), jnp.float32),
-          "b": jnp.asarray(scale * rng.standard_normal(2), jnp.float32)}
-
-
-def _history_after(states, max_states):
-  """The param_history state after seeing ``states`` (θ₀, θ₁, …) at update time."""
-  transform = param_history(max_states)
-  hist = transform.init(states[0])
-  for theta in states:
-    _, hist = transform.update(theta, hist, theta)
-  return hist
-
-
 def _weighted(states_newest_first, weights, x):
   return jax.tree.map(
       lambda xi, *thetas: sum(w * (t - xi) for w, t in zip(weights, thetas)),
@@ -53,11 +34,11 @@ def test_k2_weights_current_state_first_and_hand_computed_query():
   w = np.array([1.0, g, g * g]) / (1 + g + g * g)
   np.testing.assert_allclose(inner_momentum_weights(jnp.asarray(7), 2, g, 2), w, rtol=1e-6)
   # Five states stored in a ring of 2 slots (wraps around); the current one is θ₅.
-  thetas = [_tree(i) for i in range(6)]
-  hist = _history_after(thetas[:5], 2)
+  thetas = [random_tree(i) for i in range(6)]
+  hist = history_after(thetas[:5], 2)
   assert int(hist.count) == 5
-  x = _tree(10)
-  query = jax.jit(inner_momentum_query(_quadratic_loss, 2, g))
+  x = random_tree(10)
+  query = jax.jit(inner_momentum_query(quadratic_loss, 2, g))
   got = query(InnerMomentumInputs(thetas[5], hist), x)
   want = _weighted([thetas[5], thetas[4], thetas[3]], w, x)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
@@ -68,10 +49,10 @@ def test_k2_weights_current_state_first_and_hand_computed_query():
 @pytest.mark.parametrize("stored", [0, 1, 2])
 def test_before_k_states_only_available_ones_are_averaged(stored):
   g, k_max = 0.7, 4
-  thetas = [_tree(i) for i in range(stored + 1)]
-  hist = _history_after(thetas[:stored], k_max) if stored else param_history(k_max).init(thetas[0])
-  x = _tree(10)
-  got = inner_momentum_query(_quadratic_loss, k_max, g)(InnerMomentumInputs(thetas[-1], hist), x)
+  thetas = [random_tree(i) for i in range(stored + 1)]
+  hist = history_after(thetas[:stored], k_max) if stored else param_history(k_max).init(thetas[0])
+  x = random_tree(10)
+  got = inner_momentum_query(quadratic_loss, k_max, g)(InnerMomentumInputs(thetas[-1], hist), x)
   raw = np.array([g**k for k in range(stored + 1)])
   want = _weighted(thetas[::-1], raw / raw.sum(), x)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
@@ -79,10 +60,10 @@ def test_before_k_states_only_available_ones_are_averaged(stored):
 
 def test_groups_use_their_own_history_and_decay():
   """Rank-2 leaf ``w`` is in the Muon group ("paper1"), ``b`` in the fallback group."""
-  thetas = [_tree(i) for i in range(4)]
-  hist = _history_after(thetas[:3], 3)
-  x = _tree(10)
-  query = inner_momentum_query(_quadratic_loss, 3, 0.5, fallback_history=1, fallback_decay=0.9)
+  thetas = [random_tree(i) for i in range(4)]
+  hist = history_after(thetas[:3], 3)
+  x = random_tree(10)
+  query = inner_momentum_query(quadratic_loss, 3, 0.5, fallback_history=1, fallback_decay=0.9)
   got = query(InnerMomentumInputs(thetas[3], hist), x)
   wm = np.array([1, 0.5, 0.25, 0.125]) / 1.875
   wf = np.array([1, 0.9]) / 1.9
@@ -96,12 +77,12 @@ def test_the_average_is_clipped_not_each_term():
   """Per-state gradients a (current) and −2a (previous), ‖a‖ = 10 ≫ C = 1, weights
   (2/3, 1/3): the average is 0, so its clipped version is ~0; clipping each term
   first would give (2/3 − 1/3)·C·â, of norm C/3."""
-  a = _tree(1)
+  a = random_tree(1)
   a = jax.tree.map(lambda v: 10.0 * v / flat_norm(a), a)
   x = {k: jnp.zeros((1,) + v.shape) for k, v in a.items()}  # one example: x = 0
   current, previous = a, jax.tree.map(lambda v: -2.0 * v, a)  # ∇ℓ(θ; x) = θ
-  hist = _history_after([previous], 1)
-  query = inner_momentum_query(_quadratic_loss, 1, 0.5)
+  hist = history_after([previous], 1)
+  query = inner_momentum_query(quadratic_loss, 1, 0.5)
   total = clipped_sum(query, InnerMomentumInputs(current, hist), x, None, 1.0)
   assert float(flat_norm(total.total)) < 1e-5
   clip = flat_clipping(1.0).clip
@@ -110,25 +91,11 @@ def test_the_average_is_clipped_not_each_term():
   np.testing.assert_allclose(float(flat_norm(per_term)), 1 / 3, rtol=1e-4)
 
 
-def _regression(n=64, d_in=40, d_out=50, seed=0):
-  rng = np.random.default_rng(seed)
-  params = {"dense": {"kernel": jnp.asarray(rng.standard_normal((d_in, d_out)) * 0.1, jnp.float32),
-                      "bias": jnp.zeros(d_out, jnp.float32)}}
-  batch = {"x": jnp.asarray(rng.standard_normal((n, d_in)), jnp.float32),
-           "y": jnp.asarray(rng.standard_normal((n, d_out)) * 5, jnp.float32)}
-
-  def loss(p, b):
-    pred = b["x"] @ p["dense"]["kernel"] + p["dense"]["bias"]
-    return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - b["y"]), -1))
-
-  return params, batch, loss
-
-
 def test_k_ge_1_each_example_clipped_to_c_and_release_noise_std_is_sigma_c_over_d():
   """Everything routed to a momentum-free SGD fallback with lr 1, so the step is
   θ_{t+1} = θ_t − G̃_t and D·(θ_t − θ_{t+1}) − S_t is exactly the noise on the sum."""
   c, sigma, d = 1.0, 2.0, 50.0
-  params, batch, loss = _regression()
+  params, batch, loss = regression()
   opt = dp_muon_im(1.0, c, sigma, d, key=5, history=2, decay=0.5,
                    routing=lambda path, leaf: False, fallback=Fallback(momentum=0.0))
   step = make_private_step(opt, loss)
@@ -143,15 +110,14 @@ def test_k_ge_1_each_example_clipped_to_c_and_release_noise_std_is_sigma_c_over_
     assert float(flat_norm(one.total)) <= c * (1 + 1e-5)
   total = step.clipped_sum(params, state, batch, mask)
   new_params, _, _ = step(params, state, [(batch, mask)])
-  noise = jax.tree.map(lambda p, q, s: d * (p - q) - s, params, new_params, total.total)
-  flat = np.concatenate([np.ravel(v) for v in jax.tree.leaves(noise)])
-  rms = float(np.sqrt(np.mean(flat.astype(np.float64) ** 2)))
-  lo, hi = std_interval(flat.size, sigma * c)
+  rms = release_noise_rms(params, new_params, total.total, d)
+  size = sum(x.size for x in jax.tree.leaves(params))
+  lo, hi = std_interval(size, sigma * c)
   assert lo < rms < hi, (lo, rms, hi)
 
 
 def test_k0_equals_dp_muon_bit_for_bit():
-  params, batch, loss = _regression(n=16, d_in=8, d_out=6)
+  params, batch, loss = regression(n=16, d_in=8, d_out=6)
   mask = jnp.ones(16, bool)
   out = []
   for opt in (dp_muon(0.05, 1.0, 1.0, 16.0, key=9),
@@ -166,7 +132,7 @@ def test_k0_equals_dp_muon_bit_for_bit():
 
 
 def test_history_k1_changes_the_trajectory():
-  params, batch, loss = _regression(n=16, d_in=8, d_out=6)
+  params, batch, loss = regression(n=16, d_in=8, d_out=6)
   mask = jnp.ones(16, bool)
   out = []
   for k in (0, 1):
@@ -190,8 +156,8 @@ def test_presets_and_validation():
   state = opt.init({"h": {"kernel": jnp.zeros((4, 4))}, "head": {"kernel": jnp.zeros((4, 2))}})
   assert jax.tree.leaves(find_history(state).states)[0].shape[0] == 4  # max(K, K′) slots
   with pytest.raises(ValueError, match="history"):
-    inner_momentum_query(_quadratic_loss, -1, 0.5)
+    inner_momentum_query(quadratic_loss, -1, 0.5)
   with pytest.raises(ValueError, match="decay"):
-    inner_momentum_query(_quadratic_loss, 1, -0.5)
+    inner_momentum_query(quadratic_loss, 1, -0.5)
   with pytest.raises(LookupError):
     find_history((1, {"a": 2}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,11 @@ TIMEOUT_S = 420
 # multihost_step.py's constants.
 SIGMA, CLIP, DENOMINATOR, NOISE_DIM = 1.3, 1.0, 25.6, 16384
 TOLERANCE = 1e-5
+# jax.distributed's coordinator (process 0) can abort in gRPC's server destructor at interpreter
+# exit, after its run finished and wrote everything: an upstream teardown race, seen once in CI
+# in ~20 runs. Such a job counts as finished only if it aborted there AND printed its last line.
+TEARDOWN_ABORT = "grpc_core::Server::~Server"
+FINISHED_LINE = {"train": "results in ", "step": "wrote "}
 
 
 def _free_port() -> int:
@@ -61,12 +67,21 @@ class _Job:
   def text(self) -> str:
     return self.log.read_text(errors="replace")
 
+  def succeeded(self) -> bool:
+    """Exit 0, or the upstream teardown abort after the job's finishing line."""
+    if self.proc.returncode == 0:
+      return True
+    finished = FINISHED_LINE["train" if self.name.startswith("train") else "step"]
+    text = self.text()
+    return (self.proc.returncode == -signal.SIGABRT and TEARDOWN_ABORT in text
+            and finished in text.split(TEARDOWN_ABORT)[0])
+
 
 def _wait(jobs: list[_Job], timeout: float = TIMEOUT_S) -> None:
   """Waits for all; if one fails or time runs out, ends the others and reports."""
   deadline = time.monotonic() + timeout
   while any(job.proc.poll() is None for job in jobs):
-    failed = [job for job in jobs if job.proc.poll() not in (None, 0)]
+    failed = [job for job in jobs if job.proc.poll() is not None and not job.succeeded()]
     if failed or time.monotonic() > deadline:
       for job in jobs:
         if job.proc.poll() is None:
@@ -77,7 +92,7 @@ def _wait(jobs: list[_Job], timeout: float = TIMEOUT_S) -> None:
       pytest.fail(f"{culprit.name} {why}:\n{culprit.text()[-3000:]}")
     time.sleep(0.2)
   for job in jobs:
-    assert job.proc.returncode == 0, f"{job.name}:\n{job.text()[-3000:]}"
+    assert job.succeeded(), f"{job.name}:\n{job.text()[-3000:]}"
 
 
 def _group(name: str, argv_of, cache: Path, logs: Path) -> list[_Job]:

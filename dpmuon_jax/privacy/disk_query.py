@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dpmuon_jax.privacy.query import GradientTerm, LossFn, QueryFn, add_batch_axis
+from dpmuon_jax.privacy.query import GradientTerm, LossFn, QueryFn, terms_query
 
 PyTree = Any
 
@@ -106,35 +106,11 @@ def disk_noise_multiplier(
 def disk_query(loss_fn: LossFn, kappa: float, gamma: float) -> QueryFn:
   """``query((θ_t, θ_t + γ d_t), x) -> c·∇ℓ(θ_t + γ d_t; x) + (1−c)·∇ℓ(θ_t; x)``.
 
-  Evaluates ONE gradient per example when :func:`single_point` allows,
-  two otherwise (combined in float32, cast to the parameters' dtypes).
+  The per-example form of :func:`disk_terms`: ONE gradient per example when
+  :func:`single_point` allows, two otherwise (combined in float32, cast to
+  the parameters' dtypes).
   """
-  point = single_point(kappa, gamma)
-  grad_fn = jax.grad(loss_fn)
-
-  if point is not None:
-
-    def one_point_query(inputs: tuple[PyTree, PyTree], example: PyTree) -> PyTree:
-      return grad_fn(inputs[point], add_batch_axis(example))
-
-    return one_point_query
-
-  c = disk_weight(kappa, gamma)
-
-  def two_point_query(inputs: tuple[PyTree, PyTree], example: PyTree) -> PyTree:
-    current, extrapolated = inputs
-    example = add_batch_axis(example)
-    g_current = grad_fn(current, example)
-    g_extrapolated = grad_fn(extrapolated, example)
-    return jax.tree.map(
-        lambda e, g: (c * e.astype(jnp.float32) + (1.0 - c) * g.astype(jnp.float32)).astype(
-            g.dtype
-        ),
-        g_extrapolated,
-        g_current,
-    )
-
-  return two_point_query
+  return terms_query(loss_fn, disk_terms(kappa, gamma))
 
 
 def disk_terms(kappa: float, gamma: float):

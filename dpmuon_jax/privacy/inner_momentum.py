@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmuon_jax import checks
-from dpmuon_jax.privacy.query import GradientTerm, LossFn, QueryFn, add_batch_axis
+from dpmuon_jax.privacy.query import GradientTerm, LossFn, QueryFn, terms_query
 
 PyTree = Any
 
@@ -157,43 +157,13 @@ def grouped_inner_momentum_query(
 
   Returns:
     ``query(inputs, example)`` with ``inputs`` an :class:`InnerMomentumInputs`
-    whose history has at least max(K, K′) slots. With K = K′ = 0 this is the
-    plain gradient times 1.0, i.e. bit-identical to the standard query.
+    whose history has at least max(K, K′) slots: the per-example form of
+    :func:`inner_momentum_terms` (summed in float32, cast to the parameters'
+    dtypes). With K = K′ = 0 this is the plain gradient times 1.0, i.e.
+    bit-identical to the standard query for float32 parameters.
   """
-  history, decay, fallback_history, fallback_decay = inner_momentum_settings(
-      history, decay, fallback_history, fallback_decay
-  )
-  slots = max(history, fallback_history)
-  grad_fn = jax.grad(loss_fn)
-
-  def query(inputs: InnerMomentumInputs, example: PyTree) -> PyTree:
-    params, past = inputs
-    batch = add_batch_axis(example)
-    count = past.count
-    weights = {
-        True: inner_momentum_weights(count, history, decay, slots),
-        False: inner_momentum_weights(count, fallback_history, fallback_decay, slots),
-    }
-    in_muon = in_muon_group(params)
-    num_slots = jax.tree.leaves(past.states)[0].shape[0] if jax.tree.leaves(past.states) else 0
-    if num_slots < slots:
-      raise ValueError(f"The parameter history has {num_slots} slots; this query needs {slots}.")
-
-    def weighted(grads, k):
-      # jnp.where, not a product: a zero-weight term must not turn NaN into the sum.
-      return jax.tree.map(
-          lambda g, m: jnp.where(weights[m][k] > 0, weights[m][k] * g, jnp.zeros_like(g)),
-          grads, in_muon,
-      )
-
-    total = weighted(grad_fn(params, batch), 0)
-    for k in range(1, slots + 1):
-      slot = (count - k) % num_slots
-      state_k = jax.tree.map(lambda h, i=slot: h[i], past.states)
-      total = jax.tree.map(jnp.add, total, weighted(grad_fn(state_k, batch), k))
-    return total
-
-  return query
+  terms = inner_momentum_terms(in_muon_group, history, decay, fallback_history, fallback_decay)
+  return terms_query(loss_fn, terms)
 
 
 def inner_momentum_terms(
