@@ -6,6 +6,7 @@ orthogonalised; ``attention_blocks`` makes the choice explicit. Checked here
 on a tiny :class:`~dpmuon_jax.text.gpt2.GPT2` against the blocks built by hand.
 """
 
+import functools
 import math
 
 import jax
@@ -17,13 +18,16 @@ from flax import nnx
 from dpmuon_jax.linalg.newton_schulz import newton_schulz as _newton_schulz
 from dpmuon_jax.linalg.scaling import aspect_factor, matrix_view
 from dpmuon_jax.models.cnn import small_cnn
-from dpmuon_jax.optimizers.filters import dp_disk_muon
+from dpmuon_jax.optimizers.filters import dp_disk_muon, dp_doppler_muon
 from dpmuon_jax.optimizers.muon import dp_muon, muon
 from dpmuon_jax.optimizers.options import ATTENTION_BLOCKS, Fallback
-from dpmuon_jax.optimizers.paper2 import dp_muon_im
+from dpmuon_jax.optimizers.paper2 import dp_muon_bc, dp_muon_im
 from dpmuon_jax.text.gpt2 import GPT2, GPT2Config, gpt2_model, lm_loss
 from dpmuon_jax.training.step import make_private_step
-from dpmuon_jax.transforms.bias_correction import KIM_FAN_NS_COEFFS
+from dpmuon_jax.transforms.bias_correction import (
+    KIM_FAN_NS_COEFFS,
+    scale_by_bias_corrected_orthogonalization,
+)
 from dpmuon_jax.transforms.muon import QKV, matrix_blocks, scale_by_orthogonalization
 
 CONFIG = GPT2Config(vocab_size=97, max_positions=16, dim=16, num_layers=1, num_heads=2)
@@ -178,12 +182,28 @@ def test_bad_choices_are_refused(updates):
     _orthogonalise(only_query, attention_blocks="fused")
 
 
-def test_options_reach_muon_through_dp_muon_im_and_dp_disk_muon():
+def test_options_reach_muon_through_every_paper2_optimizer():
   release = (0.02, 1.0, 1.0, 8.0, jax.random.key(0))
-  for build in (dp_muon_im, dp_disk_muon):
+  builds = (dp_muon_im, dp_disk_muon, dp_muon_bc, dp_doppler_muon,
+            functools.partial(dp_disk_muon, composition="replace"))
+  for build in builds:
     build(*release, attention_blocks="fused")
     with pytest.raises(ValueError, match="attention_heads"):
-      build(*release, attention_blocks="heads")  # checked by scale_by_orthogonalization
+      build(*release, attention_blocks="heads")  # checked by the orthogonalising transform
+
+
+@pytest.mark.parametrize("choice", ["fused", "heads"])
+def test_bias_correction_sees_the_same_blocks(updates, choice):
+  """With s₀ = 0, 2F(M) − F(M + 0·Z) = F(M): DP-Muon-BC's step is the blocked NS step."""
+  kwargs = {"attention_heads": H} if choice == "heads" else {}
+  tx = scale_by_bias_corrected_orthogonalization(0.0, 0.95, jax.random.key(0),
+                                                 attention_blocks=choice, **kwargs)
+  corrected = jax.jit(tx.update)(updates, tx.init(updates))[0]
+  plain = _orthogonalise(updates, attention_blocks=choice, ns_coeffs=KIM_FAN_NS_COEFFS, **kwargs)
+  for a, b in zip(jax.tree.leaves(corrected), jax.tree.leaves(plain), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  per_leaf = _orthogonalise(updates, ns_coeffs=KIM_FAN_NS_COEFFS)
+  assert not np.allclose(_attn(corrected)["query"]["kernel"], _attn(per_leaf)["query"]["kernel"])
 
 
 def _private_step_outputs(choice):

@@ -79,7 +79,7 @@ from dpmuon_jax.transforms.filters import (
     low_pass_filter,
     record_applied_update,
 )
-from dpmuon_jax.transforms.muon import scale_by_orthogonalization
+from dpmuon_jax.transforms.muon import SPLIT, AttentionBlocks, scale_by_orthogonalization
 
 COMPOSITIONS = (REPLACE, FEED)
 
@@ -111,13 +111,18 @@ def _replacing_muon(
     mu_dtype: Any = None,
     ns: NewtonSchulz = NewtonSchulz(),
     fallback: Fallback = Fallback(),
+    attention_blocks: AttentionBlocks = SPLIT,
+    attention_heads: int | None = None,
     **groups: Any,
 ) -> optax.GradientTransformationExtraArgs:
-  """``"replace"``: Ĝ = aspect · NS₅(F_t) (no Muon momentum), fallback momentum 0 unless given."""
+  """``"replace"``: Ĝ = aspect · NS₅(F_t) (no Muon momentum), fallback momentum 0 unless given.
+
+  ``attention_blocks``, ``attention_heads``: as in :func:`muon`."""
   del beta, nesterov, mu_dtype  # the filter output replaces Muon's momentum
   if fallback.momentum is None:
     fallback = dataclasses.replace(fallback, momentum=0.0)
-  post = scale_by_orthogonalization(**ns.transform_kwargs())
+  post = scale_by_orthogonalization(attention_blocks=attention_blocks,
+                                    attention_heads=attention_heads, **ns.transform_kwargs())
   return routed_post_processing(post, learning_rate, fallback=fallback, **groups)
 
 

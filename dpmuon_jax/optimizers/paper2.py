@@ -47,6 +47,7 @@ from dpmuon_jax.transforms.bias_correction import (
 )
 from dpmuon_jax.transforms.history import find_history, param_history
 from dpmuon_jax.transforms.momentum import HEAVY_BALL, muon_momentum
+from dpmuon_jax.transforms.muon import SPLIT, AttentionBlocks
 from dpmuon_jax.transforms.routing import MUON, Routing, muon_labels
 
 
@@ -193,6 +194,8 @@ def muon_bc(
     antithetic: bool = True,
     mu_dtype: jnp.dtype | None = None,
     ns: NewtonSchulz = NewtonSchulz(),
+    attention_blocks: AttentionBlocks = SPLIT,
+    attention_heads: int | None = None,
     **groups: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Bias-corrected Muon (Kim & Fan 2026; paper 2's baseline), with OUR bias estimator.
@@ -216,6 +219,8 @@ def muon_bc(
       convergent quintic (1.875, −1.25, 0.375): with Keller Jordan's the
       correction does not reduce the bias (see
       :mod:`dpmuon_jax.transforms.bias_correction`).
+    attention_blocks, attention_heads: the blocks orthogonalised, as in
+      :func:`~dpmuon_jax.optimizers.muon.muon`.
     **groups: ``weight_decay``, ``routing``, ``fallback`` as in
       :func:`~dpmuon_jax.optimizers.muon.muon`.
   """
@@ -223,6 +228,7 @@ def muon_bc(
       muon_momentum(beta, nesterov, buffer, mu_dtype),
       scale_by_bias_corrected_orthogonalization(
           noise_std, beta, key, buffer, nesterov, num_samples, antithetic,
+          attention_blocks=attention_blocks, attention_heads=attention_heads,
           **ns.transform_kwargs(KIM_FAN_NS_COEFFS),
       ),
   )

@@ -57,12 +57,16 @@ from dpmuon_jax.linalg.scaling import (
     DimensionNumbers,
     aspect_factor,
     dimension_numbers_fn,
-    matrix_view,
-    path_names,
 )
 from dpmuon_jax.privacy.keys import KeyLike, stream_key
 from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL
-from dpmuon_jax.transforms.muon import check_newton_schulz
+from dpmuon_jax.transforms.muon import (
+    SPLIT,
+    AttentionBlocks,
+    check_attention_blocks,
+    check_newton_schulz,
+    matrix_blocks,
+)
 
 PyTree = Any
 
@@ -118,6 +122,8 @@ def scale_by_bias_corrected_orthogonalization(
     ns_dtype: jnp.dtype | None = None,
     precision: jax.lax.PrecisionLike = None,
     max_aspect_ratio: float | None = DP_MUON_MAX_ASPECT_RATIO,
+    attention_blocks: AttentionBlocks = SPLIT,
+    attention_heads: int | None = None,
 ) -> optax.GradientTransformation:
   """Ĝ = aspect · [2 F(M̃) − mean_i F(M̃ + s_t Z_i)], F = NS_K (DP-Muon-BC, our estimator).
 
@@ -136,11 +142,15 @@ def scale_by_bias_corrected_orthogonalization(
     ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, max_aspect_ratio: as
       in :func:`dpmuon_jax.scale_by_orthogonalization`,
       except the default coefficients: :data:`KIM_FAN_NS_COEFFS` (see above).
+    attention_blocks, attention_heads: the blocks F sees, as in
+      :func:`dpmuon_jax.scale_by_orthogonalization` (a fused q, k, v block
+      gets one Z of its own d × 3d shape).
   """
   checks.check_nonnegative("noise_std", noise_std)
   checks.check_in_range("beta", beta, 0.0, 1.0, high_inclusive=False)
   checks.check_positive_int("num_samples", num_samples)
   check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
+  check_attention_blocks(attention_blocks, attention_heads)
   buffer_noise_variance(1, beta, buffer, nesterov)  # validate eagerly
   pp_key, _ = stream_key(key, "postprocessing")
   spec_fn = dimension_numbers_fn(dimension_numbers)
@@ -149,19 +159,12 @@ def scale_by_bias_corrected_orthogonalization(
   def ns(x):
     return newton_schulz(x, ns_steps, ns_coeffs, eps, ns_dtype, precision)
 
-  def leaf_update(path, g, leaf_key, s):
-    if jnp.ndim(g) < 2:
-      raise ValueError(
-          f"Leaf {'/'.join(path_names(path))} of shape {jnp.shape(g)} reached a Muon transform; "
-          "route it to the fallback optimizer."
-      )
-    view = matrix_view(jnp.shape(g), spec_fn(path_names(path), g))
-    m = view.to_matrices(g).astype(jnp.promote_types(g.dtype, jnp.float32))
-    z = jax.random.normal(leaf_key, (num_samples,) + m.shape, m.dtype)
+  def block_update(m, block_key, s):
+    m = m.astype(jnp.promote_types(m.dtype, jnp.float32))
+    z = jax.random.normal(block_key, (num_samples,) + m.shape, m.dtype)
     smoothed = sum(jax.vmap(lambda zi, c=c: ns(m + (c * s) * zi))(z).mean(0) for c in signs)
     corrected = 2.0 * ns(m) - smoothed / len(signs)
-    scale = aspect_factor(view.fan_in, view.fan_out, max_aspect_ratio)
-    return view.from_matrices(scale * corrected).astype(g.dtype)
+    return aspect_factor(m.shape[-2], m.shape[-1], max_aspect_ratio) * corrected
 
   def init_fn(params):
     del params
@@ -171,10 +174,11 @@ def scale_by_bias_corrected_orthogonalization(
     del params
     count = state.count + 1
     s = noise_std * jnp.sqrt(buffer_noise_variance(count, beta, buffer, nesterov))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    keys = jax.random.split(jax.random.fold_in(state.key, state.count), max(len(leaves), 1))
-    out = [leaf_update(p, g, k, s) for (p, g), k in zip(leaves, keys)]
-    return treedef.unflatten(out), BiasCorrectionState(count, state.key)
+    blocks = matrix_blocks(updates, spec_fn, attention_blocks, attention_heads)
+    keys = jax.random.split(jax.random.fold_in(state.key, state.count),
+                            max(len(blocks.matrices), 1))
+    out = [block_update(m, k, s) for m, k in zip(blocks.matrices, keys)]
+    return blocks.unblock(out), BiasCorrectionState(count, state.key)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
