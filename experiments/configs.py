@@ -31,7 +31,7 @@ class Experiment:
 
   name: str
   table: str  # which table / figure of which paper
-  dataset: str  # TFDS name or .npz path (relative paths: to the shared data dir)
+  dataset: str  # TFDS name or .npz path (relative paths: to --data-dir)
   model: str
   optimizers: tuple[str, ...]
   batch_sizes: tuple[int, ...]

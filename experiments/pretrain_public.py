@@ -8,7 +8,10 @@ WITHOUT privacy on public text only. It is saved in the Hugging Face layout
 (:func:`~dpmuon_jax.text.hf_weights.save_hf_gpt2`), so the private run takes
 exactly the path of a user with the real weights::
 
-    LMTrainConfig(data_dir=DATA, init_weights="runs/pretrained_dart", vocab_size=8192, ...)
+    LMTrainConfig(data_dir=TEXT_DATA, init_weights="runs/pretrained_dart", vocab_size=8192, ...)
+
+where ``TEXT_DATA`` is a folder with ``dart/``, ``e2e/`` and ``gpt2/``, laid out as
+:mod:`dpmuon_jax.text.data` describes.
 
 Data: DART v1.1.1 (Nan et al., 2021, "DART: Open-Domain Structured Data
 Record to Text Generation") dev and test, ``dart/{dev,test}.jsonl[.gz]``,
@@ -52,8 +55,8 @@ Outputs under ``--out``: ``model.safetensors`` + ``config.json``,
 tokens/s, wall time, DART losses, zero-shot E2E validation NLL, sha256 of the
 weights)::
 
-    python -m experiments.pretrain_public --data-dir ../shared/data/text --measure
-    python -m experiments.pretrain_public --data-dir ../shared/data/text --out runs/pretrained_dart
+    python -m experiments.pretrain_public --data-dir TEXT_DATA --measure
+    python -m experiments.pretrain_public --data-dir TEXT_DATA --out runs/pretrained_dart
 """
 
 from __future__ import annotations

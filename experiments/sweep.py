@@ -1,11 +1,14 @@
 """Run one experiment of :mod:`experiments.configs` and write its CSV and plot.
 
-    python -m experiments.sweep cpu_phase_transition --data-dir ../shared/data
+    python -m experiments.sweep cpu_phase_transition --data-dir DATA
     python -m experiments.sweep main_table --data-dir ~/tensorflow_datasets   # GPU/TPU
     python -m experiments.sweep main_table --tiny      # one step per run on tiny shapes (CI)
     python -m experiments.sweep svhn_cpu --stand-in    # wall time only: random data, /tmp
-    python -m experiments.sweep batch_size_study --data-dir ../shared/data --workers 2
+    python -m experiments.sweep batch_size_study --data-dir DATA --workers 2
 
+``DATA`` is a folder holding the image datasets as ``.npz`` files in the Keras
+layout (``cifar10.npz`` with keys ``x_train``, ``y_train``, ``x_test``,
+``y_test``); a config's relative ``.npz`` path is read from it.
 Writes ``<out>/runs.csv`` (one row per optimizer × batch size × seed, with the
 ε each run spent), ``<out>/summary.csv`` (mean ± std over seeds of the final
 and the best test accuracy), ``<out>/accuracy_vs_batch.png`` and, with

@@ -210,7 +210,7 @@ _add(
          Variant("KF+IM", "dp_disk_muon_im", _KF_KWARGS, paper2_im=True)),
         epsilons=(1.0, 8.0), steps=PRETRAINED_CPU_RELEASES, capacity=1152, microbatch_size=16,
         weights="runs/pretrained_dart, made by `python -m experiments.pretrain_public "
-        "--data-dir DATA --out runs/pretrained_dart --dim 128 --layers 4 --heads 4 "
+        "--data-dir TEXT_DATA --out runs/pretrained_dart --dim 128 --layers 4 --heads 4 "
         "--vocab-size 8192 --steps 1000 --batch-size 32 --seed 0`",
         model="gpt2_tiny", model_overrides={"max_positions": 128}, vocab_size=8192,
         max_length=128, max_new_tokens=74, generate_splits=("test",), scale="cpu",

@@ -1,12 +1,16 @@
 """Run one GPT-2 experiment of :mod:`experiments.text_configs`; write its CSVs and plot.
 
-    python -m experiments.text_sweep e2e_cpu_im --data-dir ../shared/data/text      # CPU
-    python -m experiments.text_sweep e2e_pretrained_cpu --data-dir ../shared/data/text \\
+    python -m experiments.text_sweep e2e_cpu_im --data-dir TEXT_DATA                # CPU
+    python -m experiments.text_sweep e2e_pretrained_cpu --data-dir TEXT_DATA \\
         --gpt2-dir runs/pretrained_dart                                             # CPU
-    python -m experiments.text_sweep paper2_table2_e2e --data-dir DATA --gpt2-dir HF_GPT2
-    python -m experiments.text_sweep paper2_table2_e2e --data-dir DATA --tiny        # CI
-    python -m experiments.text_sweep e2e_pretrained_cpu --data-dir DATA --measure \\
+    python -m experiments.text_sweep paper2_table2_e2e --data-dir TEXT_DATA --gpt2-dir HF_GPT2
+    python -m experiments.text_sweep paper2_table2_e2e --data-dir TEXT_DATA --tiny  # CI
+    python -m experiments.text_sweep e2e_pretrained_cpu --data-dir TEXT_DATA --measure \\
         --variants DP-Muon DP-Muon-IM --methods vmap ghost                          # timing
+
+``TEXT_DATA`` is a folder with ``e2e/``, ``dart/`` and ``gpt2/``, laid out as
+:mod:`dpmuon_jax.text.data` describes
+(:func:`~dpmuon_jax.text.data.download_text_data` fills its E2E and DART files).
 
 ``--gpt2-dir`` is a local GPT-2 in the Hugging Face layout (``model.safetensors``
 + ``config.json``; nothing is downloaded): the real ``gpt2`` weights for the
@@ -444,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("experiment", choices=sorted(TEXT_EXPERIMENTS))
   parser.add_argument("--data-dir", required=True,
-                      help="folder with e2e/, dart/ and gpt2/ (the layout of shared/data/text)")
+                      help="folder with e2e/, dart/ and gpt2/, laid out as described in "
+                      "dpmuon_jax.text.data's module docstring")
   parser.add_argument("--gpt2-dir", default=None,
                       help="a local GPT-2 in the Hugging Face layout: the real gpt2 weights "
                       "(paper2_*) or experiments.pretrain_public's runs/pretrained_dart "

@@ -1,14 +1,14 @@
 """Loading image datasets: local ``.npz`` files, TFDS, the embedded default.
 
 * ``.npz`` with keys ``x_train``, ``y_train``, ``x_test``, ``y_test`` (the
-  Keras layout; ``../shared/data/*.npz`` in this project).
+  Keras layout, e.g. ``cifar10.npz`` written from a Keras or TFDS copy).
 * TFDS through ``tfds.data_source``: random access to array_record files,
   without TensorFlow. The splits are read once into numpy arrays (all the
   supported datasets fit in memory), in the order of the prepared files; the
   sampler then gathers batches by index. Nothing is downloaded unless
   ``download=True`` (and preparing from the internet needs TensorFlow for
-  these builders); an offline dir can be built from an ``.npz`` with
-  ``shared/data/npz2tfds.py``.
+  these builders); offline, load the same data from a local ``.npz``
+  (:func:`load_npz`, or ``--dataset path/to/file.npz``) instead.
 * ``"digits"``: scikit-learn's digits, shipped inside the package
   (:func:`~dpmuon_jax.data.embedded.load_embedded`), the default that needs
   no network and no data directory.
@@ -88,8 +88,9 @@ def load_tfds(name: str, data_dir: str | None = None, download: bool = False) ->
   builder = tfds.builder(name, data_dir=data_dir)
   if not download and not builder.is_prepared():
     raise FileNotFoundError(
-        f"TFDS dataset {name!r} is not prepared in {builder.data_dir}; pass its data dir, "
-        "build one offline from an .npz (shared/data/npz2tfds.py), or allow downloading."
+        f"TFDS dataset {name!r} is not prepared in {builder.data_dir}; pass the prepared "
+        "TFDS data dir, load the same data from a local .npz in the Keras layout "
+        "(--dataset path/to/file.npz, load_npz), or allow downloading."
     )
   try:
     source = cast(Any, tfds.data_source(name, data_dir=data_dir, download=download))

@@ -23,12 +23,15 @@ grouped and the model generates once per source.
   ``null`` references dropped). The trailing space Li et al. append after the
   closing ``<|endoftext|>`` is not reproduced.
 
-Local files: the layout of ``shared/data/text`` (its README), each file plain
-or gzipped: ``e2e/src1_{train,valid,test}.txt[.gz]``; ``dart/{split}.jsonl[.gz]``
-(lines ``{"tripleset", "references"}``) or the official
+Local files: one data folder, each file plain or gzipped:
+``e2e/src1_{train,valid,test}.txt[.gz]``; ``dart/{split}.jsonl[.gz]`` (lines
+``{"tripleset", "references"}``) or the official
 ``dart/dart-v1.1.1-full-{split}.json[.gz]`` (a list of ``{"tripleset",
-"annotations": [{"source", "text"}]}``). DART's training split is not in
-``shared/`` here; with the official file in place it loads like dev.
+"annotations": [{"source", "text"}]}``); ``gpt2/vocab.json`` and
+``gpt2/merges.txt``, GPT-2's BPE files
+(:class:`~dpmuon_jax.text.tokenizer.GPT2Tokenizer`). The CPU-scale configs
+were run without DART's training split; with the official file in place it
+loads like dev.
 
 Official sources (for users with internet; :func:`download_text_data` writes
 them into this layout, nothing in the library downloads on its own):

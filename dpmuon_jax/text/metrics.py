@@ -3,8 +3,8 @@
 * **BLEU** (E2E and DART): NIST ``mteval-v13a`` — case-insensitive, 13a
   tokenization, a variable number of references per source. ``sacrebleu``
   with ``lowercase=True, tokenize="13a"`` and missing references passed as
-  ``None`` reproduces the official E2E scorer exactly (``shared/data/text``
-  README: 66.801311752 on both); Li et al. score DART the same way.
+  ``None`` reproduces the official E2E scorer exactly (both give
+  66.801311752 on the same system output); Li et al. score DART the same way.
 * **ROUGE-L, E2E**: the official scorer (e2e-metrics) runs the MS-COCO
   caption code: Stanford's PTB tokenizer (Java; lower-cases and drops
   punctuation tokens), then ``pycocoevalcap``'s ``Rouge``: per source

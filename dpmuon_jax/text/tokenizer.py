@@ -31,8 +31,8 @@ class GPT2Tokenizer:
   """Encode / decode text with GPT-2's BPE. Special tokens are never parsed from text.
 
   Args:
-    directory: folder holding ``vocab.json`` and ``merges.txt``
-      (here: ``shared/data/text/gpt2``).
+    directory: folder holding ``vocab.json`` and ``merges.txt`` (the
+      ``gpt2/`` folder of the layout described in :mod:`dpmuon_jax.text.data`).
     vocab_size: ``None`` (GPT-2's 50,257) or V in [257, 50,257]: the first
       V − 1 BPE tokens and ``<|endoftext|>`` = V − 1 (see the module docstring).
   """

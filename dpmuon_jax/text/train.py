@@ -103,8 +103,9 @@ class LMTrainConfig:
   """One private GPT-2 run on E2E or DART.
 
   Attributes:
-    data_dir: folder in the layout of ``shared/data/text`` (``e2e/``,
-      ``dart/``, ``gpt2/``); ``tokenizer_dir`` defaults to ``data_dir/gpt2``.
+    data_dir: folder with ``e2e/``, ``dart/``, ``gpt2/``, laid out as
+      described in :mod:`dpmuon_jax.text.data`; ``tokenizer_dir`` defaults
+      to ``data_dir/gpt2``.
     init_weights: a local Hugging Face GPT-2 directory (fine-tuning, paper 2);
       ``None`` trains ``model`` from scratch (results say so).
     model: a :data:`MODEL_PRESETS` name; ``model_overrides``: GPT2Config fields.
