@@ -31,7 +31,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -317,6 +317,16 @@ def _worker_init() -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def restart_first(runs: Iterable[tuple[Arm, float, int]]) -> list[tuple[Arm, float, int]]:
+  """The ready runs, private selections first (stable otherwise).
+
+  A training run resumes from its checkpoint after an interruption; a private
+  selection restarts whole. Starting those first loses the least work when a
+  sitting ends mid-study.
+  """
+  return sorted(runs, key=lambda run: not isinstance(run[0], PrivatelyTunedArm))
+
+
 def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
               max_steps: int | None = None, max_runs: int | None = None) -> list[dict]:
   """Trains every run not yet in ``out/runs.csv``, ``workers`` at a time."""
@@ -330,7 +340,7 @@ def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
                                    initializer=_worker_init) as pool:
     while True:
       busy = set(running.values())
-      for arm, lr, seed in ready_runs(study, rows):
+      for arm, lr, seed in restart_first(ready_runs(study, rows)):
         if len(running) >= workers or (max_runs is not None and started >= max_runs):
           break
         if _key(arm, lr, seed) in busy:

@@ -9,7 +9,15 @@ import os
 import numpy as np
 import pytest
 
-from experiments.study import Arm, PrivatelyTunedArm, Study, grid_state, ready_runs, run_study
+from experiments.study import (
+    Arm,
+    PrivatelyTunedArm,
+    Study,
+    grid_state,
+    ready_runs,
+    restart_first,
+    run_study,
+)
 from experiments.study_report import write_report
 
 ARM = Arm("dp_sgd", 32, 0.1, epochs=1.0)
@@ -55,6 +63,14 @@ def test_fixed_releases_arm_sets_epochs_from_t():
   assert round(epochs / (4096 / 45_000)) == 66
   with pytest.raises(ValueError, match="exactly one"):
     Arm("dp_sgd", 256, 0.3).training_epochs(100)
+
+
+def test_private_selections_start_first_as_they_cannot_resume():
+  tuned = PrivatelyTunedArm("dp_sgd", 32, 0.1, epochs=1.0)
+  study = Study("t", "test", (ARM, tuned), seeds=(1, 2))
+  ordered = restart_first(ready_runs(study, []))
+  assert [arm.name for arm, _, _ in ordered[:2]] == [tuned.name] * 2
+  assert ordered[2:] == [(ARM, lr, 1) for lr in grid_state(study, ARM, [])[0]]
 
 
 @pytest.fixture
