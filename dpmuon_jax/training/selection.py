@@ -209,6 +209,31 @@ def _summary(config: TrainConfig, options: TuneOptions, plan: _Plan, out: Tuning
   return summary
 
 
+def _relocate_results(run_dir: str, old_dir: str) -> None:
+  """Rewrites the paths in a moved run's ``results.json`` from ``old_dir`` to ``run_dir``,
+  so that the selected run's record points at its files, not at the deleted temporary run."""
+  path = os.path.join(run_dir, "results.json")
+  if not os.path.exists(path):
+    return
+  old, new = os.path.abspath(old_dir), os.path.abspath(run_dir)
+
+  def moved(value):
+    if isinstance(value, dict):
+      return {k: moved(v) for k, v in value.items()}
+    if isinstance(value, list):
+      return [moved(v) for v in value]
+    if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+      return new + value[len(old):]
+    if isinstance(value, str) and (value == old_dir or value.startswith(old_dir + os.sep)):
+      return run_dir + value[len(old_dir):]
+    return value
+
+  with open(path) as f:
+    results = json.load(f)
+  with open(path, "w") as f:
+    json.dump(moved(results), f, indent=2)
+
+
 def tune_learning_rate(config: TrainConfig, data: ImageDataset, options: TuneOptions) -> dict:
   """Selects a learning rate privately; writes and returns the summary (see the module doc).
 
@@ -234,6 +259,7 @@ def tune_learning_rate(config: TrainConfig, data: ImageDataset, options: TuneOpt
         discard=lambda result: shutil.rmtree(result["dir"], ignore_errors=True))
     if out.result is not None:
       os.replace(out.result["dir"], selected_dir)
+      _relocate_results(selected_dir, out.result["dir"])
   finally:
     shutil.rmtree(runs_dir, ignore_errors=True)
   summary = _summary(config, options, plan, out, selected_dir if out.result else None)
