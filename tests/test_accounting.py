@@ -115,16 +115,19 @@ def test_large_delta_warns():
     PrivacyLedger(_sampler(), _release(), DELTA)
 
 
-def test_no_dp_accounting_warnings_leak(caplog, recwarn):
+def test_no_dp_accounting_warnings_leak(caplog, recwarn, monkeypatch):
   # Large q and small sigma make dp-accounting's fractional orders fail to converge.
   q, sigma, steps = 0.9, 0.3, 7
-  with caplog.at_level(logging.WARNING):
+  # Whatever earlier tests or imports did to absl's logger (level, propagation), the
+  # control below must be able to see dp-accounting's records: pin both here.
+  monkeypatch.setattr(logging.getLogger("absl"), "propagate", True)
+  with caplog.at_level(logging.WARNING, logger="absl"), caplog.at_level(logging.WARNING):
     direct = rdp_privacy_accountant.RdpAccountant(RDP_ORDERS)
     direct.compose(dp_accounting.SelfComposedDpEvent(_event(sigma, q), steps))
     expected = direct.get_epsilon(DELTA)
   assert any("converge" in r.getMessage() for r in caplog.records)  # the control leaks
   caplog.clear()
-  with caplog.at_level(logging.DEBUG):
+  with caplog.at_level(logging.DEBUG, logger="absl"), caplog.at_level(logging.DEBUG):
     got = compute_epsilon(sigma, q, steps, DELTA)
     calibrate_noise_multiplier(50.0, DELTA, q, steps)
     compute_epsilon(sigma, q, steps, DELTA, "pld")
@@ -132,7 +135,7 @@ def test_no_dp_accounting_warnings_leak(caplog, recwarn):
   assert not caplog.records
   assert not [w for w in recwarn if not issubclass(w.category, DeprecationWarning)]
   # The filter is removed afterwards: other absl warnings still reach the user.
-  with caplog.at_level(logging.WARNING):
+  with caplog.at_level(logging.WARNING, logger="absl"), caplog.at_level(logging.WARNING):
     logging.getLogger("absl").warning("still visible")
   assert [r.getMessage() for r in caplog.records] == ["still visible"]
 
