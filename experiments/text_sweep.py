@@ -248,6 +248,9 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict], dirs: list
     with open(os.path.join(out, "zero_shot.json")) as f:
       floor = _plotted(exp, json.load(f))
   _plot(os.path.join(out, f"{exp.metric}_vs_epsilon.png"), summary, exp, floor)
+  pairs = paired_differences(rows)
+  if pairs:
+    write_csv(os.path.join(out, "pairs.csv"), pairs)
   diagnostics = []
   for directory in dirs:
     path = os.path.join(directory, "diagnostics.csv")
@@ -307,6 +310,39 @@ def summarise(rows: list[dict]) -> list[dict]:
         row[f"{metric}_mean"] = statistics.fmean(values)
         row[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
     out.append(row)
+  return out
+
+
+PAIRED_METRICS = ("valid_nll", "test_bleu", "test_rouge_l")
+INNER_MOMENTUM = ("dp_muon_im", "dp_disk_muon_im")
+
+
+def paired_differences(rows: list[dict]) -> list[dict]:
+  """Inner momentum minus DP-Muon, seed by seed (same ε, same seed: the same data order).
+
+  Every run of an inner-momentum optimizer is paired with the DP-Muon run of
+  its ε and seed that has the same number of releases T ("equal releases"),
+  and with the DP-Muon run that has the fewest gradient evaluations per
+  example at least as many as its own ("equal compute": IM with K past states
+  evaluates K + 1 per release after the first, so DP-Muon gets about (K + 1)·T
+  releases at a recalibrated σ; the tie goes to DP-Muon). ``d_valid_nll`` < 0
+  and ``d_test_bleu``, ``d_test_rouge_l`` > 0 favour inner momentum.
+  """
+  out = []
+  for row in (r for r in rows if r["optimizer"] in INNER_MOMENTUM):
+    same = [b for b in rows if b["optimizer"] == "dp_muon"
+            and (b["target_epsilon"], b["seed"]) == (row["target_epsilon"], row["seed"])]
+    at_least = [b for b in same if b["grad_evals_per_example"] >= row["grad_evals_per_example"]]
+    matches = [("equal releases", b) for b in same if b["releases"] == row["releases"]]
+    if at_least:
+      matches.append(("equal compute", min(at_least, key=lambda b: b["grad_evals_per_example"])))
+    for comparison, base in matches:
+      pair = {"comparison": comparison, "variant": row["variant"], "baseline": base["variant"],
+              "target_epsilon": row["target_epsilon"], "seed": row["seed"]}
+      for metric in PAIRED_METRICS:
+        if row[metric] != "" and base[metric] != "":
+          pair[f"d_{metric}"] = row[metric] - base[metric]
+      out.append(pair)
   return out
 
 

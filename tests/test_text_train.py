@@ -319,3 +319,31 @@ def test_cli_tiny_run_of_the_pretrained_cpu_experiment_and_its_rerun(tmp_path, m
   monkeypatch.setattr(text_sweep, "train_lm", fake)
   assert text_sweep.main(args) == 0
   assert fake.calls == [] and text_sweep.read_rows(str(tmp_path / "runs.csv")) == rows
+
+
+def _sweep_row(variant, optimizer, seed, releases, evals, nll, bleu, rouge, epsilon=8.0):
+  return {"variant": variant, "optimizer": optimizer, "target_epsilon": epsilon, "seed": seed,
+          "releases": releases, "grad_evals_per_example": evals, "valid_nll": nll,
+          "test_bleu": bleu, "test_rouge_l": rouge}
+
+
+def test_paired_differences_match_seeds_at_equal_releases_and_equal_compute():
+  rows = [
+      _sweep_row("DP-Muon", "dp_muon", 37, 6, 6, 4.9, 2.4, 21.0),
+      _sweep_row("DP-Muon (2T releases)", "dp_muon", 37, 12, 12, 3.8, 7.2, 29.0),
+      _sweep_row("DP-Muon", "dp_muon", 38, 6, 6, 5.0, 2.0, 20.0),
+      _sweep_row("DP-Muon", "dp_muon", 37, 6, 6, 6.0, 0.0, 0.0, epsilon=1.0),
+      _sweep_row("IM (K = 1)", "dp_muon_im", 37, 6, 11, 5.1, 1.0, 17.0),
+      _sweep_row("IM", "dp_muon_im", 38, 6, 24, 5.2, "", 16.0),
+      _sweep_row("BC", "dp_muon_bc", 37, 6, 6, 4.8, 2.5, 22.0),
+  ]
+  pairs = text_sweep.paired_differences(rows)
+  got = {(p["comparison"], p["variant"], p["baseline"], p["seed"]): p for p in pairs}
+  assert set(got) == {("equal releases", "IM (K = 1)", "DP-Muon", 37),
+                      ("equal compute", "IM (K = 1)", "DP-Muon (2T releases)", 37),
+                      ("equal releases", "IM", "DP-Muon", 38)}  # no ε = 1 or BC pair, and
+  # no equal-compute pair for IM (24 evaluations): no DP-Muon run of seed 38 has as many
+  compute = got[("equal compute", "IM (K = 1)", "DP-Muon (2T releases)", 37)]
+  assert compute["d_valid_nll"] == pytest.approx(5.1 - 3.8)
+  assert compute["d_test_bleu"] == pytest.approx(1.0 - 7.2)
+  assert "d_test_bleu" not in got[("equal releases", "IM", "DP-Muon", 38)]  # a missing score
