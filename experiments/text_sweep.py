@@ -59,11 +59,13 @@ from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, s
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.privacy.disk_query import single_point
 from dpmuon_jax.text.data import encode_pairs, load_text_dataset
+from dpmuon_jax.text.hf_weights import WEIGHTS_FILE
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, score_split, train_lm
 from dpmuon_jax.training.records import append_csv_row, write_csv
 from dpmuon_jax.training.tracking import MissingExtraError
+from experiments.pretrain_public import sha256_file
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant
 
 TINY_MODEL = {"dim": 16, "num_layers": 1, "num_heads": 2, "max_positions": 160}
@@ -211,7 +213,8 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   os.makedirs(out, exist_ok=True)
   check_buildable(exp, out, data_dir)
   if exp.pretrained and not tiny:
-    zero_shot(exp, data_dir, gpt2_dir, out)  # pyright: ignore[reportArgumentType]  # checked
+    record = zero_shot(exp, data_dir, gpt2_dir, out)  # pyright: ignore[reportArgumentType]
+    check_same_checkpoint(record, gpt2_dir, out)  # pyright: ignore[reportArgumentType]
   path = os.path.join(out, "runs.csv")
   done = {run_key(r["variant"], r["target_epsilon"], r["seed"]) for r in read_rows(path)}
   runs = list(exp.runs())[:1] if tiny else list(exp.runs())  # tiny: the first, tiny shapes
@@ -386,6 +389,23 @@ def zero_shot(exp: TextExperiment, data_dir: str, gpt2_dir: str, out: str) -> di
   with open(path, "w") as f:
     json.dump(record, f, indent=2, default=float)
   return record
+
+
+def check_same_checkpoint(record: dict, gpt2_dir: str, out: str) -> None:
+  """Refuses to add runs fine-tuned from another checkpoint than the recorded runs'.
+
+  ``zero_shot.json`` keeps the sha256 the checkpoint's builder recorded; a
+  rebuilt checkpoint (``experiments.pretrain_public`` with its fixed seed) must
+  hash the same, or its runs would be mixed with the old ones in one table.
+  """
+  recorded = (record.get("checkpoint_sha256") or {}).get(WEIGHTS_FILE)
+  if recorded is None:
+    return
+  current = sha256_file(os.path.join(gpt2_dir, WEIGHTS_FILE))
+  if current != recorded:
+    raise SystemExit(
+        f"{os.path.join(gpt2_dir, WEIGHTS_FILE)} has sha256 {current[:16]}…, but the runs in "
+        f"{out} fine-tuned {recorded[:16]}…: rebuild that checkpoint, or use a new --out.")
 
 
 def _plotted(exp: TextExperiment, record: dict) -> float | None:

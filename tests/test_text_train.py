@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, train
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.transforms.history import ordered_history, param_history
 from experiments import text_sweep
+from experiments.pretrain_public import sha256_file
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant, im_preset
 
 TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
@@ -289,8 +291,10 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
   config = _tiny_config(tmp_path)
   apply, params, gpt2_config, _ = load_model(config, 512)
   save_hf_gpt2(params, gpt2_config, checkpoint)
+  weights = os.path.join(checkpoint, "model.safetensors")
   with open(os.path.join(checkpoint, "results.json"), "w") as f:
-    json.dump({"e2e_valid_zero_shot_nll": 6.25, "sha256": {"model.safetensors": "abc"}}, f)
+    json.dump({"e2e_valid_zero_shot_nll": 6.25,
+               "sha256": {"model.safetensors": sha256_file(weights)}}, f)
   exp = dataclasses.replace(
       TEXT_EXPERIMENTS["e2e_pretrained_cpu"], variants=(Variant("A", "dp_muon"),),
       epsilons=(8.0,), seeds=(37,), vocab_size=512, eval_pairs=16, generate_groups=2,
@@ -305,6 +309,10 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
   assert record["valid_nll"] == pytest.approx(expected, rel=1e-6)
   assert record["checkpoint_valid_nll"] == 6.25 and record["scores"]["test"]["groups"] == 2
   assert (tmp_path / "out" / f"{exp.metric}_vs_epsilon.png").exists()
+  # A rebuilt checkpoint that differs may not add runs to the same table.
+  save_hf_gpt2(jax.tree.map(lambda p: p + 1.0, params), gpt2_config, checkpoint)
+  with pytest.raises(SystemExit, match="sha256"):
+    text_sweep.run(exp, str(tmp_path / "out"), TEXT_DIR, gpt2_dir=checkpoint)
 
 
 @needs_text_data
