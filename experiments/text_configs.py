@@ -53,7 +53,8 @@ class Variant:
   (explicit ``kwargs`` win). ``releases`` multiplies the experiment's number
   of releases T (σ is calibrated for the variant's own T at the same ε): the
   equal-compute baseline of a query with two gradients per example is the
-  one-gradient optimizer with ``releases=2``.
+  one-gradient optimizer with ``releases=2``. ``epsilons``: run this variant
+  at these ε only (``None``: at every ε of the experiment).
   """
 
   label: str
@@ -61,6 +62,7 @@ class Variant:
   kwargs: dict = dataclasses.field(default_factory=dict)
   paper2_im: bool = False
   releases: int = 1
+  epsilons: tuple[float, ...] | None = None
 
   def optimizer_kwargs(self, dataset: str, epsilon: float) -> dict:
     preset = im_preset(dataset, epsilon) if self.paper2_im else {}
@@ -121,7 +123,8 @@ class TextExperiment:
     for epsilon in sorted(self.epsilons, reverse=True):
       for seed in self.seeds:
         for variant in self.variants:
-          yield variant, epsilon, seed
+          if variant.epsilons is None or epsilon in variant.epsilons:
+            yield variant, epsilon, seed
 
 
 TEXT_EXPERIMENTS: dict[str, TextExperiment] = {}
@@ -207,7 +210,9 @@ _add(
          Variant("DP-Muon (2T releases)", "dp_muon", releases=2),
          Variant("DP-Muon-BC", "dp_muon_bc"),
          Variant("KF-Muon", "dp_disk_muon", _KF_KWARGS),
-         Variant("KF+IM", "dp_disk_muon_im", _KF_KWARGS, paper2_im=True)),
+         Variant("KF+IM", "dp_disk_muon_im", _KF_KWARGS, paper2_im=True),
+         Variant("DP-Muon-IM (fused c_attn)", "dp_muon_im", {"attention_blocks": "fused"},
+                 paper2_im=True, epsilons=(8.0,))),
         epsilons=(1.0, 8.0), steps=PRETRAINED_CPU_RELEASES, capacity=1152, microbatch_size=16,
         weights="runs/pretrained_dart, made by `python -m experiments.pretrain_public "
         "--data-dir TEXT_DATA --out runs/pretrained_dart --dim 128 --layers 4 --heads 4 "
@@ -224,6 +229,9 @@ _add(
         "of 42,061 training pairs loses its closing end-of-text, one of 4,672 validation pairs "
         "15 target tokens); greedy decoding of at most 74 new tokens (the longest test prompt, "
         "54 tokens, + 74 = 128); the clipped sums by per-example gradients (vmap, microbatch "
-        "16), measured faster than ghost clipping here; capacity 1152 rows (qN + 4 sd).",
+        "16), measured faster than ghost clipping here; capacity 1152 rows (qN + 4 sd). "
+        "Muon orthogonalises q, k and v each on its own (attention_blocks='split'); one row "
+        "(DP-Muon-IM at ε = 8) repeats with the fused d × 3d matrix as Hugging Face's c_attn "
+        "stores it.",
     ),
 )

@@ -170,8 +170,12 @@ def test_pretrained_cpu_experiment_keeps_paper2_protocol():
   runs = list(exp.runs())
   assert [v.label for v, _, _ in runs[:len(exp.variants)]] == [v.label for v in exp.variants]
   assert {(e, s) for _, e, s in runs[:len(exp.variants)]} == {(8.0, 37)}
-  assert runs[-1][1] == 1.0 and len(runs) == len(exp.variants) * 6
+  # The c_attn row (fused q, k, v for Newton–Schulz) runs at ε = 8 only.
   variants = {v.label: v for v in exp.variants}
+  fused = variants["DP-Muon-IM (fused c_attn)"]
+  assert fused.kwargs == {"attention_blocks": "fused"} and fused.epsilons == (8.0,)
+  assert runs[-1][1] == 1.0 and len(runs) == (len(exp.variants) - 1) * 6 + 3
+  assert {e for v, e, _ in runs if v is fused} == {8.0}
   assert variants["DP-Muon-IM"].optimizer_kwargs("e2e", 8.0) == im_preset("e2e", 8.0)
   assert variants["DP-Muon-IM"].optimizer_kwargs("e2e", 1.0) == im_preset("e2e", 1.0)
   kf_im = variants["KF+IM"].optimizer_kwargs("e2e", 8.0)
