@@ -19,7 +19,7 @@ from dpmuon_jax.linalg.newton_schulz import newton_schulz as _newton_schulz
 from dpmuon_jax.linalg.scaling import aspect_factor, matrix_view
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.optimizers.filters import dp_disk_muon, dp_doppler_muon
-from dpmuon_jax.optimizers.muon import dp_muon, muon
+from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s, muon
 from dpmuon_jax.optimizers.options import ATTENTION_BLOCKS, Fallback
 from dpmuon_jax.optimizers.paper2 import dp_muon_bc, dp_muon_im
 from dpmuon_jax.text.gpt2 import GPT2, GPT2Config, gpt2_model, lm_loss
@@ -190,6 +190,11 @@ def test_options_reach_muon_through_every_paper2_optimizer():
     build(*release, attention_blocks="fused")
     with pytest.raises(ValueError, match="attention_heads"):
       build(*release, attention_blocks="heads")  # checked by the orthogonalising transform
+
+
+def test_dp_muon_s_refuses_attention_blocks_in_one_line():
+  with pytest.raises(ValueError, match="muon_s orthogonalises each leaf"):
+    dp_muon_s(0.3, 1.0, 1.0, 8.0, jax.random.key(0), attention_blocks="fused")
 
 
 @pytest.mark.parametrize("choice", ["fused", "heads"])

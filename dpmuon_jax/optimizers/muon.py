@@ -190,8 +190,13 @@ def muon_s(
   M_t = βM_{t−1} + (1−β)G̃_t, whose steps are (1−β) = 10× smaller at the
   same learning rate. ``power_iterations`` warm-started iterations per step
   give σ₁ (``exact_svd`` for checks). ``groups``: ``weight_decay``,
-  ``routing`` and ``fallback`` as in :func:`muon`.
+  ``routing`` and ``fallback`` as in :func:`muon` (not ``attention_blocks``:
+  each leaf is its own block).
   """
+  for name in ("attention_blocks", "attention_heads"):
+    if name in groups:
+      raise ValueError(f"muon_s orthogonalises each leaf on its own (its σ₁ power iteration "
+                       f"keeps one state per leaf): {name} is not supported.")
   post = scale_by_muon_s(
       beta, buffer=buffer, power_iterations=power_iterations, exact_svd=exact_svd,
       mu_dtype=mu_dtype, **ns.transform_kwargs(),
