@@ -159,3 +159,7 @@ def test_cli_writes_weights_results_and_curve(tmp_path):
   assert results["data"]["excluded_origins"] == ["e2e"]
   assert np.isfinite(results["e2e_valid_zero_shot_nll"]) and results["e2e_eval_pairs"] == 8
   assert (out / "history.csv").read_text().splitlines()[0].startswith("step,")
+  # The fixed seed rebuilds the same weights, bit for bit (the E2E sweep's checkpoint guard
+  # relies on it).
+  assert pp.main([*args[:2], "--out", str(tmp_path / "again"), *args[4:]]) == 0
+  assert pp.sha256_file(str(tmp_path / "again" / WEIGHTS_FILE)) == results["sha256"][WEIGHTS_FILE]
