@@ -215,17 +215,16 @@ def _relocate_results(run_dir: str, old_dir: str) -> None:
   path = os.path.join(run_dir, "results.json")
   if not os.path.exists(path):
     return
-  old, new = os.path.abspath(old_dir), os.path.abspath(run_dir)
+  prefixes = ((os.path.abspath(old_dir), os.path.abspath(run_dir)), (old_dir, run_dir))
 
   def moved(value):
     if isinstance(value, dict):
       return {k: moved(v) for k, v in value.items()}
     if isinstance(value, list):
       return [moved(v) for v in value]
-    if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
-      return new + value[len(old):]
-    if isinstance(value, str) and (value == old_dir or value.startswith(old_dir + os.sep)):
-      return run_dir + value[len(old_dir):]
+    for old, new in prefixes:
+      if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+        return new + value[len(old):]
     return value
 
   with open(path) as f:
