@@ -311,6 +311,50 @@ def test_inner_momentum_ghost_matches_vmap_with_cross_terms_between_states(gpt2)
     np.testing.assert_allclose(g, w, rtol=1e-4)
 
 
+@pytest.mark.parametrize("history", [0, 2])
+def test_multi_term_ghost_mixes_gram_factors_and_accumulated_gradients(history):
+  """At width 32 and T = 4 a query of several terms keeps every term's factors for
+  the kernels (Gram form, cross terms between states) and sums the per-example
+  gradient over the terms for the biases and the tied embedding (lookup + head);
+  with two terms (DiSK-like, history 0 plus the fallback) the position table takes
+  the Gram form of onehot rows. Both forms together give the vmap path's sum."""
+  config = GPT2Config(vocab_size=23, max_positions=16, dim=32, num_layers=1, num_heads=2)
+  apply, params = gpt2_model(tapped(GPT2(config, rngs=nnx.Rngs(0))))
+  loss_fn = lm_loss(apply)
+  batch = {"tokens": jax.random.randint(jax.random.key(5), (6, 4), 0, 23),
+           "loss_mask": jnp.ones((6, 4), jnp.int32)}
+  num_terms = history + 1 if history else 2
+  coverage = ghost_coverage(loss_fn, params, _first(batch), num_terms)
+  assert ghost_coverage(loss_fn, params, _first(batch)).accumulated == ()
+  accumulated = {"/".join(map(str, p)) for p in coverage.accumulated}
+  assert "token_embed/embedding" in accumulated
+  assert not any(name.endswith("kernel") for name in accumulated)
+  assert ("pos_embed/embedding" in accumulated) == (num_terms == 3)
+  if history:
+    keys = iter(jax.random.split(jax.random.key(9), 100))
+    states = jax.tree.map(lambda p: jnp.stack(
+        [p + 0.05 * jax.random.normal(next(keys), p.shape) for _ in range(history)]), params)
+    inputs = InnerMomentumInputs(params, ParamHistoryState(states, jnp.asarray(history)))
+    in_muon = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    query = grouped_inner_momentum_query(loss_fn, in_muon, history, 0.5, 1, 0.7)
+    terms = inner_momentum_terms(in_muon, history, 0.5, 1, 0.7)
+  else:
+    kappa, gamma = DISK_PRESETS["paper2"]
+    keys = iter(jax.random.split(jax.random.key(4), 100))
+    update = jax.tree.map(lambda p: 0.1 * jax.random.normal(next(keys), p.shape), params)
+    inputs = disk_points(params, update, gamma)
+    query, terms = disk_query(loss_fn, kappa, gamma), disk_terms(kappa, gamma)
+  norms = jax.jit(lambda i: jax.vmap(lambda ex: flat_norm(query(i, ex)))(batch))(inputs)
+  clip = float(jnp.median(norms))
+  mask = jnp.array([True, True, False, True, True, True])
+  want = jax.jit(lambda i: clipped_sum(query, i, batch, mask, clip))(inputs)
+  got = jax.jit(lambda i: ghost_query_sum(loss_fn, terms)(i, batch, mask, clip))(inputs)
+  assert 0 < float(got.stats.num_clipped) < 5
+  _assert_trees_close(got.total, want.total)
+  for g, w in zip(got.stats, want.stats, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4)
+
+
 @pytest.mark.parametrize("preset", ["paper2", "paper1"])
 def test_disk_two_point_ghost_matches_vmap(gpt2, preset):
   """q_i = c ∇ℓ(θ + γd; x_i) + (1 − c) ∇ℓ(θ; x_i) clipped as one vector. paper2's

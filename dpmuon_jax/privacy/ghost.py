@@ -33,6 +33,15 @@ S is assembled by book-keeping from the SAME factors whose norms were taken:
 therefore f_i · (the vector whose norm was computed), of norm ≤ C, whatever the
 taps saw: a use of a parameter that no tap reports would make the sum differ
 from the gradient, never exceed the sensitivity (the tests check both).
+
+A query of several gradient terms, q_i = Σ_k w_k ∇ℓ(θ_k; x_i) (DiSK's two
+points, inner momentum's K + 1 states), is clipped as one vector. Its terms
+run one after the other in a ``lax.scan``; per parameter, either every term's
+factors are kept and the norm takes the cross terms between states from the
+Gram of all their rows, or the per-example gradient Σ_k w_k G_{i,k} is summed
+term by term (its memory does not grow with the number of terms), whichever
+takes less memory (:func:`accumulates_per_example`). The sum is then
+Σ_i f_i q_{i,l} from the same factors or the same accumulated gradients.
 """
 
 from __future__ import annotations
@@ -142,10 +151,16 @@ def _name(path: Path) -> str:
 
 
 class GhostCoverage(NamedTuple):
-  """Which parameters get ghost norms and which exact per-example gradients."""
+  """Which parameters get ghost norms and which exact per-example gradients.
+
+  ``accumulated``: the covered parameters for which a query of several terms
+  keeps the per-example gradient summed over its terms instead of every term's
+  factors (:func:`accumulates_per_example`); empty for one term.
+  """
 
   ghost: tuple[Path, ...]
   exact: tuple[Path, ...]
+  accumulated: tuple[Path, ...] = ()
 
 
 def _per_example_loss(loss_fn: LossFn, flat: dict[Path, jax.Array], treedef: Any):
@@ -174,15 +189,24 @@ def _discover(loss_fn: LossFn, params: PyTree, example: PyTree) -> _Tape:
   return tape
 
 
-def ghost_coverage(loss_fn: LossFn, params: PyTree, example: PyTree) -> GhostCoverage:
+def ghost_coverage(loss_fn: LossFn, params: PyTree, example: PyTree, num_terms: int = 1
+                   ) -> GhostCoverage:
   """The parameters that tapped layers cover, and the others (exact per-example gradients).
 
-  ``example`` is one example (no batch axis).
+  ``example`` is one example (no batch axis); ``num_terms`` the number of
+  gradient terms of the query (1 for the gradient, 2 for DiSK's, K + 1 for
+  inner momentum's), which decides :attr:`GhostCoverage.accumulated`.
   """
   flat, _ = _flat_params(params)
-  covered = {p for s in _discover(loss_fn, params, example).sites.values() for p in s.params}
+  tape = _discover(loss_fn, params, example)
+  covered = {p for s in tape.sites.values() for p in s.params}
+  accumulated: set[Path] = set()
+  if num_terms > 1:
+    factors = _factor_shapes(loss_fn, params, add_batch_axis(example), tape)
+    accumulated = {p for p, fs in factors.items() if accumulates_per_example(fs, num_terms)}
   return GhostCoverage(tuple(p for p in flat if p in covered),
-                       tuple(p for p in flat if p not in covered))
+                       tuple(p for p in flat if p not in covered),
+                       tuple(p for p in flat if p in accumulated))
 
 
 # ------------------------------------------------------------------ factors and their norms
@@ -342,35 +366,123 @@ def _leaf_weights(weight: Any, flat: dict[Path, jax.Array]) -> dict[Path, Any]:
 
 
 class _Terms(NamedTuple):
-  """q_i = Σ_k w_k ∇ℓ(θ_k; x_i) as factors (covered leaves) and exact gradients (the rest)."""
+  """q_i = Σ_k w_k ∇ℓ(θ_k; x_i): every term's factors (Gram-form leaves), per-example
+  gradients accumulated over the terms (``direct``, (B, width, q) each) and exact
+  per-example gradients (leaves no tap covers)."""
 
   flat: dict[Path, jax.Array]
   treedef: Any
   uses: dict[Path, list[Factor]]
+  direct: dict[Path, jax.Array]
   exact: dict[Path, jax.Array]
+
+
+def _weighted_factors(uses: dict[Path, list[Factor]], w: dict[Path, Any]
+                      ) -> dict[Path, list[Factor]]:
+  return {p: [Factor(f.left, _scaled(f.right, w[p]), f.width) for f in fs]
+          for p, fs in uses.items()}
+
+
+def per_example_grad(uses: list[Factor]) -> jax.Array:
+  """Σ_u L_uᵀ R_u per example, (B, width, q): one parameter's per-example gradient."""
+  total = jnp.zeros((uses[0].right.shape[0], uses[0].width, uses[0].right.shape[-1]),
+                    jnp.float32)
+  for f in uses:
+    if _is_ids(f):
+      lookup = lambda ids, rows, w=f.width: jnp.zeros((w, rows.shape[-1]), jnp.float32).at[
+          ids].add(rows, mode="drop")
+      total = total + jax.vmap(lookup)(f.left, f.right)
+    else:
+      total = total + _dense_grad(f)
+  return total
+
+
+def accumulates_per_example(uses: list[Factor], num_terms: int) -> bool:
+  """Whether a parameter of a ``num_terms``-term query keeps its per-example gradient
+  rather than every term's factors.
+
+  The Gram form of ‖Σ_k w_k G_k‖² needs the factors of all terms at once
+  (n·Σ_u N_u(p_u + q) floats per example, n = ``num_terms``, N_u rows and
+  p_u left features of use u, an id counting as one) and a Gram of the
+  stacked rows ((n·Σ_u N_u)²); the per-example gradient Σ_k w_k G_k, summed
+  term by term, takes width·q floats whatever n is. The smaller one is kept
+  (Bu et al. 2023, §3.2 make the same per-layer choice for one term).
+  """
+  rows = sum(f.right.shape[1] for f in uses)
+  factors = sum(f.right.shape[1] * ((1 if _is_ids(f) else f.left.shape[-1]) + f.right.shape[-1])
+                for f in uses)
+  return uses[0].width * uses[0].right.shape[-1] <= num_terms * factors + (num_terms * rows) ** 2
+
+
+def _factor_shapes(loss_fn: LossFn, params: PyTree, batch: PyTree, tape: _Tape
+                   ) -> dict[Path, list[Factor]]:
+  """The factors of one pass by parameter, as shapes (traced, never computed)."""
+  found: dict[Path, list[Factor]] = {}
+
+  def trace(p: PyTree, b: PyTree) -> jax.Array:
+    for path, fs in _pass(loss_fn, p, b, tape)[2].items():
+      found[path] = [Factor(jax.ShapeDtypeStruct(f.left.shape, f.left.dtype),
+                            jax.ShapeDtypeStruct(f.right.shape, f.right.dtype), f.width)
+                     for f in fs]
+    return jnp.zeros(())
+
+  jax.eval_shape(trace, params, batch)
+  return found
+
+
+def _one_term(loss_fn: LossFn, term: GradientTerm, batch: PyTree, tape: _Tape) -> _Terms:
+  """One forward and one backward; every covered leaf in the Gram form."""
+  flat, treedef, uses, exact = _pass(loss_fn, term.state, batch, tape)
+  w = _leaf_weights(term.weight, flat)
+  return _Terms(flat, treedef, _weighted_factors(uses, w), {},
+                {p: _scaled(g, w[p]) for p, g in exact.items()})
 
 
 def _collect(loss_fn: LossFn, terms: tuple[GradientTerm, ...], batch: PyTree, tape: _Tape
              ) -> _Terms:
-  """One forward and one backward per term (θ_k, w_k)."""
-  uses: dict[Path, list[Factor]] = {}
-  exact: dict[Path, jax.Array] = {}
-  flat, treedef = {}, None
-  for state, weight in terms:
-    flat, treedef, uses_k, exact_k = _pass(loss_fn, state, batch, tape)
-    w = _leaf_weights(weight, flat)
-    for p, fs in uses_k.items():
-      uses.setdefault(p, []).extend(Factor(f.left, _scaled(f.right, w[p]), f.width) for f in fs)
-    for p, g in exact_k.items():
-      g = _scaled(g, w[p])
-      exact[p] = exact[p] + g if p in exact else g
-  return _Terms(flat, treedef, uses, exact)
+  """One forward and one backward per term (θ_k, w_k); several terms in a ``lax.scan``.
+
+  Over the scan, a leaf that :func:`accumulates_per_example` adds up its
+  per-example gradient, so only one term's factors are live at a time; the
+  other covered leaves keep every term's factors for the Gram form.
+  """
+  if len(terms) == 1:
+    return _one_term(loss_fn, terms[0], batch, tape)
+  like = terms[0].state
+  first = _factor_shapes(loss_fn, like, batch, tape)
+  direct = {p for p, fs in first.items() if accumulates_per_example(fs, len(terms))}
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(t.state for t in terms))
+  flat_like, treedef = _flat_params(like)
+  weights = jnp.stack([jnp.stack([jnp.asarray(w, jnp.float32) for w in
+                                  _leaf_weights(t.weight, flat_like).values()]) for t in terms])
+
+  def add_term(acc, term):
+    state, weight = term
+    flat, _, uses, exact = _pass(loss_fn, state, batch, tape)
+    w = dict(zip(flat, weight, strict=True))
+    acc_direct, acc_exact = acc
+    acc_direct = {p: a + _scaled(per_example_grad(uses[p]), w[p]) for p, a in acc_direct.items()}
+    acc_exact = {p: a + _scaled(exact[p], w[p]) for p, a in acc_exact.items()}
+    kept = _weighted_factors({p: fs for p, fs in uses.items() if p not in direct}, w)
+    return (acc_direct, acc_exact), {p: [(f.left, f.right) for f in fs] for p, fs in kept.items()}
+
+  b = jax.tree.leaves(batch)[0].shape[0]
+  init = ({p: jnp.zeros((b, first[p][0].width, first[p][0].right.shape[-1]), jnp.float32)
+           for p in direct},
+          {p: jnp.zeros((b,) + jnp.shape(v), jnp.float32)
+           for p, v in flat_like.items() if p not in first})
+  (acc_direct, acc_exact), kept = jax.lax.scan(add_term, init, (stacked, weights))
+  uses = {p: [Factor(left[k], right[k], f.width) for k in range(len(terms))
+              for f, (left, right) in zip(first[p], pairs, strict=True)]
+          for p, pairs in kept.items()}
+  return _Terms(flat_like, treedef, uses, acc_direct, acc_exact)
 
 
 def _leaf_sq_norms(t: _Terms) -> dict[Path, jax.Array]:
   """Per-parameter ‖q_{i,l}‖², (B,) each."""
+  grads = {**t.direct, **t.exact}
   return {p: (factor_sq_norm(t.uses[p]) if p in t.uses
-              else jnp.sum(jnp.square(t.exact[p]), axis=tuple(range(1, t.exact[p].ndim))))
+              else jnp.sum(jnp.square(grads[p]), axis=tuple(range(1, grads[p].ndim))))
           for p in t.flat}
 
 
@@ -387,8 +499,9 @@ def _terms_clipped_sum(t: _Terms, mask: jax.Array | None, clipping: Clipping | f
 
   def weighted_sum(factors: PyTree, keep: jax.Array) -> PyTree:
     w, _ = _flat_params(factors)
+    grads = {**t.direct, **t.exact}
     out = {p: (factor_weighted_sum(t.uses[p], w[p], keep, jnp.shape(v)) if p in t.uses
-               else jnp.tensordot(w[p], _keep_rows(t.exact[p], keep), axes=1))
+               else jnp.tensordot(w[p], _keep_rows(grads[p], keep), axes=1).reshape(jnp.shape(v)))
            for p, v in t.flat.items()}
     return as_tree(out)
 
@@ -436,8 +549,11 @@ def ghost_query_sum(loss_fn: LossFn, terms: QueryTerms) -> Callable[..., Clipped
       ‖Σ_k w_k Σ_t a_{k,t} g_{k,t}ᵀ‖² = Σ_{k,l} w_k w_l Σ_{t,s} (a_{k,t}·a_{l,s})(g_{k,t}·g_{l,s}),
 
   the Gram of the rows of all states stacked (w_k folded into g_k), and the
-  book-keeping sum weights every state's factors by the same clip factor.
-  One forward and one backward per term, as the vmap query's gradients.
+  book-keeping sum weights every state's factors by the same clip factor;
+  a parameter whose per-example gradient is smaller than all states' factors
+  sums that gradient over the states instead (:func:`accumulates_per_example`,
+  listed by :func:`ghost_coverage` with ``num_terms``). One forward and one
+  backward per term, in a ``lax.scan``, as the vmap query's gradients.
   This covers the gradient query (one term), DiSK's two-point query
   (Zhang et al., ICLR 2025, §3: c at θ_t + γd_t, 1 − c at θ_t) and inner
   momentum's combination over K past states ("Inner Momentum for DP-Muon", §3).
