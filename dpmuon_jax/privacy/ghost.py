@@ -416,13 +416,14 @@ def accumulates_per_example(uses: list[Factor], num_terms: int) -> bool:
 
 def _factor_shapes(loss_fn: LossFn, params: PyTree, batch: PyTree, tape: _Tape
                    ) -> dict[Path, list[Factor]]:
-  """The factors of one pass by parameter, as shapes (traced, never computed)."""
+  """The factors of one pass by parameter, ShapeDtypeStructs in place of arrays (traced,
+  never computed)."""
   found: dict[Path, list[Factor]] = {}
 
   def trace(p: PyTree, b: PyTree) -> jax.Array:
     for path, fs in _pass(loss_fn, p, b, tape)[2].items():
-      found[path] = [Factor(jax.ShapeDtypeStruct(f.left.shape, f.left.dtype),
-                            jax.ShapeDtypeStruct(f.right.shape, f.right.dtype), f.width)
+      shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+      found[path] = [Factor(shape(f.left), shape(f.right), f.width)  # pyright: ignore[reportArgumentType]
                      for f in fs]
     return jnp.zeros(())
 
