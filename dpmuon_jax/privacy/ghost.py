@@ -383,7 +383,7 @@ def _weighted_factors(uses: dict[Path, list[Factor]], w: dict[Path, Any]
           for p, fs in uses.items()}
 
 
-def per_example_grad(uses: list[Factor]) -> jax.Array:
+def _per_example_grad(uses: list[Factor]) -> jax.Array:
   """Σ_u L_uᵀ R_u per example, (B, width, q): one parameter's per-example gradient."""
   total = jnp.zeros((uses[0].right.shape[0], uses[0].width, uses[0].right.shape[-1]),
                     jnp.float32)
@@ -462,7 +462,7 @@ def _collect(loss_fn: LossFn, terms: tuple[GradientTerm, ...], batch: PyTree, ta
     flat, _, uses, exact = _pass(loss_fn, state, batch, tape)
     w = dict(zip(flat, weight, strict=True))
     acc_direct, acc_exact = acc
-    acc_direct = {p: a + _scaled(per_example_grad(uses[p]), w[p]) for p, a in acc_direct.items()}
+    acc_direct = {p: a + _scaled(_per_example_grad(uses[p]), w[p]) for p, a in acc_direct.items()}
     acc_exact = {p: a + _scaled(exact[p], w[p]) for p, a in acc_exact.items()}
     kept = _weighted_factors({p: fs for p, fs in uses.items() if p not in direct}, w)
     return (acc_direct, acc_exact), {p: [(f.left, f.right) for f in fs] for p, fs in kept.items()}
