@@ -116,12 +116,16 @@ def plot(study: Study, summary: list[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  fixed = _fixed_releases(study)
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, optimizer in enumerate(sorted({s["optimizer"] for s in summary})):
-    for label, style in (("main", "-"), (f"T{_fixed_releases(study)}", "--")):
+    for label, style in (("main", "-"), (f"T{fixed}", "--")):
+      # A fixed-release line also takes the main arm whose epochs give that many releases.
       pts = sorted((s["batch_size"], s) for s in summary if s["optimizer"] == optimizer
-                   and s["label"] == label and s["clipping"] == "flat" and s["seeds"])
-      if not pts:
+                   and (s["label"] == label or (label != "main" and s["label"] == "main"
+                                                and str(s["releases"]) == str(fixed)))
+                   and s["clipping"] == "flat" and s["seeds"])
+      if not any(s["label"] == label for _, s in pts):
         continue
       ax.errorbar([b for b, _ in pts], [100 * s["test_accuracy_mean"] for _, s in pts],
                   yerr=[100 * np.nan_to_num(s["test_accuracy_std"]) for _, s in pts],
