@@ -62,6 +62,7 @@ from dpmuon_jax.privacy.query import (
     LossFn,
     add_batch_axis,
     clipped_sum_from_norms,
+    stack_terms,
     zeros_clipped_sum,
 )
 
@@ -452,15 +453,13 @@ def _collect(loss_fn: LossFn, terms: tuple[GradientTerm, ...], batch: PyTree, ta
   like = terms[0].state
   first = _factor_shapes(loss_fn, like, batch, tape)
   direct = {p for p, fs in first.items() if accumulates_per_example(fs, len(terms))}
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(t.state for t in terms))
+  stacked, weights = stack_terms(terms)
   flat_like, treedef = _flat_params(like)
-  weights = jnp.stack([jnp.stack([jnp.asarray(w, jnp.float32) for w in
-                                  _leaf_weights(t.weight, flat_like).values()]) for t in terms])
 
   def add_term(acc, term):
     state, weight = term
-    flat, _, uses, exact = _pass(loss_fn, state, batch, tape)
-    w = dict(zip(flat, weight, strict=True))
+    _, _, uses, exact = _pass(loss_fn, state, batch, tape)
+    w = _flat_params(weight)[0]
     acc_direct, acc_exact = acc
     acc_direct = {p: a + _scaled(_per_example_grad(uses[p]), w[p]) for p, a in acc_direct.items()}
     acc_exact = {p: a + _scaled(exact[p], w[p]) for p, a in acc_exact.items()}

@@ -242,6 +242,14 @@ def _per_leaf(weight: Any, like: PyTree) -> PyTree:
   return jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), weight)
 
 
+def stack_terms(parts: tuple[GradientTerm, ...]) -> tuple[PyTree, PyTree]:
+  """The terms' states stacked leafwise (n, …) and their weights as (n,) float32 per leaf."""
+  like = parts[0].state
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(p.state for p in parts))
+  weights = jax.tree.map(lambda *ws: jnp.stack(ws), *(_per_leaf(p.weight, like) for p in parts))
+  return stacked, weights
+
+
 def terms_query(loss_fn: LossFn, terms: Callable[[PyTree], tuple[GradientTerm, ...]]) -> QueryFn:
   """``query(inputs, example) = Σ_k w_k ∇ℓ(θ_k; x)`` for ``(θ_k, w_k)`` in ``terms(inputs)``.
 
@@ -260,9 +268,7 @@ def terms_query(loss_fn: LossFn, terms: Callable[[PyTree], tuple[GradientTerm, .
     if len(parts) == 1:
       total = jax.tree.map(_weighted, grad_fn(like, batch), _per_leaf(parts[0].weight, like))
     else:
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(p.state for p in parts))
-      weights = jax.tree.map(lambda *ws: jnp.stack(ws),
-                             *(_per_leaf(p.weight, like) for p in parts))
+      stacked, weights = stack_terms(parts)
 
       def add_term(acc, term):
         state, weight = term
