@@ -30,7 +30,9 @@ already recorded, then rewrites the summary and plots from all the rows. A run
 interrupted midway is redone from scratch: its partial releases were never
 published (nothing of a run leaves it before its row), and the rerun with the
 same seed draws the same samples and noise, so it recomputes the same
-releases (up to floating-point nondeterminism of the backend).
+releases (up to floating-point nondeterminism of the backend). Each run trains
+in a fresh process of its own, so the peak memory in its row is its own (a
+process's peak RSS and the device's peak allocation only grow).
 
 Writes ``<out>/runs.csv`` (one row per variant × ε × seed: ε spent, σ,
 releases, gradient evaluations per example, validation NLL per target token,
@@ -46,10 +48,12 @@ scores, the floor every run should beat) and, for diagnostic runs,
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
 import inspect
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -202,19 +206,21 @@ def run_key(label: str, epsilon: float, seed: int) -> tuple[str, float, int]:
 
 
 def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = None,
-        tiny: bool = False, log_dir: str | None = None) -> list[dict]:
+        tiny: bool = False, log_dir: str | None = None, own_process: bool = True) -> list[dict]:
   """Trains every run not yet in ``out/runs.csv``, then summarises all of them.
 
-  ``log_dir``: each run's TensorBoard logs in a folder of its own. Returns the
-  experiment's rows, in :meth:`TextExperiment.runs` order.
+  ``log_dir``: each run's TensorBoard logs in a folder of its own. ``own_process``
+  (the default): the setup and each run happen in a fresh process of their own
+  (:func:`in_own_process`), so a row's peak memory is that run's alone; ``False``
+  runs them in this process (the tests use it to stand a fake in for
+  :func:`train_lm`). Returns the experiment's rows, in :meth:`TextExperiment.runs`
+  order.
   """
   if exp.pretrained and gpt2_dir is None and not tiny:
     raise SystemExit(f"{exp.name} fine-tunes a pretrained GPT-2: pass --gpt2-dir, {exp.weights}.")
   os.makedirs(out, exist_ok=True)
-  check_buildable(exp, out, data_dir)
-  if exp.pretrained and not tiny:
-    record = zero_shot(exp, data_dir, gpt2_dir, out)  # pyright: ignore[reportArgumentType]
-    check_same_checkpoint(record, gpt2_dir, out)  # pyright: ignore[reportArgumentType]
+  call = in_own_process if own_process else _in_this_process
+  call(_prepare, exp, out, data_dir, gpt2_dir, tiny)
   path = os.path.join(out, "runs.csv")
   done = {run_key(r["variant"], r["target_epsilon"], r["seed"]) for r in read_rows(path)}
   runs = list(exp.runs())[:1] if tiny else list(exp.runs())  # tiny: the first, tiny shapes
@@ -228,7 +234,7 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
       shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
     shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
     started = time.perf_counter()
-    results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None)
+    results = call(_train, config)
     row = _row(variant, epsilon, seed, config, results, time.perf_counter() - started)
     append_row(path, row)
     print(json.dumps(row), flush=True)
@@ -238,6 +244,39 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
                 key=lambda r: order[run_key(r["variant"], r["target_epsilon"], r["seed"])])
   _write_summaries(exp, out, rows, [run_dir(out, v, e, s) for v, e, s in runs])
   return rows
+
+
+def in_own_process(fn, *args):
+  """``fn(*args)`` in a fresh (spawned) process: its result, or its exception re-raised.
+
+  A run's peak memory (:func:`dpmuon_jax.text.train.peak_memory`: the process's
+  peak RSS and the device's peak allocation, neither of which can be reset) is
+  then its own, not the sweep's peak so far, and the sweep's process never
+  initialises a backend, so it holds no accelerator memory a run needs.
+  """
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+    return pool.submit(fn, *args).result()
+
+
+def _in_this_process(fn, *args):
+  return fn(*args)
+
+
+def _prepare(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
+             tiny: bool) -> None:
+  """Before any run: every optimizer builds; a fine-tuning experiment records its
+  checkpoint's zero-shot scores and refuses a checkpoint other than its runs'."""
+  check_buildable(exp, out, data_dir)
+  if exp.pretrained and not tiny:
+    record = zero_shot(exp, data_dir, gpt2_dir, out)  # pyright: ignore[reportArgumentType]
+    check_same_checkpoint(record, gpt2_dir, out)  # pyright: ignore[reportArgumentType]
+
+
+def _train(config: LMTrainConfig) -> dict:
+  """One run (with paper 2's probe where it has diagnostic steps); plain-Python results."""
+  results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None)
+  return json.loads(json.dumps(results, default=float))
 
 
 def _write_summaries(exp: TextExperiment, out: str, rows: list[dict], dirs: list[str]) -> None:

@@ -15,7 +15,7 @@ from dpmuon_jax.text.data import encode_pairs, load_text_dataset
 from dpmuon_jax.text.hf_weights import save_hf_gpt2
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
-from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, train_lm
+from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, peak_rss_gib, train_lm
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.transforms.history import ordered_history, param_history
 from experiments import text_sweep
@@ -239,14 +239,14 @@ def test_sweep_is_restartable_and_a_rerun_trains_nothing_new(tmp_path, monkeypat
   fake = _FakeTrainer(fail_at=3)
   monkeypatch.setattr(text_sweep, "train_lm", fake)
   with pytest.raises(KeyboardInterrupt):
-    text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+    text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
   recorded = text_sweep.read_rows(str(tmp_path / "runs.csv"))
   assert [(r["variant"], r["target_epsilon"], r["seed"]) for r in recorded] == [
       ("A", 8.0, 37), ("B", 8.0, 37)]  # appended as each run finished
   # The rerun redoes the interrupted run from scratch (its files removed), then the rest.
   fake = _FakeTrainer()
   monkeypatch.setattr(text_sweep, "train_lm", fake)
-  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
   assert [c[1:3] for c in fake.calls] == [(8.0, 38), (8.0, 38), (1.0, 37), (1.0, 37), (1.0, 38),
                                           (1.0, 38)]
   assert fake.leftovers == [False] * 6
@@ -259,7 +259,7 @@ def test_sweep_is_restartable_and_a_rerun_trains_nothing_new(tmp_path, monkeypat
   (tmp_path / "summary.csv").unlink()
   fake = _FakeTrainer()
   monkeypatch.setattr(text_sweep, "train_lm", fake)
-  again = text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  again = text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
   assert fake.calls == [] and again == rows
   with open(tmp_path / "summary.csv") as f:
     summary = list(csv.DictReader(f))
@@ -279,13 +279,13 @@ def test_an_older_runs_file_gains_the_new_columns(tmp_path, monkeypatch):
   write_csv(str(tmp_path / "runs.csv"), [old])
   fake = _FakeTrainer()
   monkeypatch.setattr(text_sweep, "train_lm", fake)
-  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
   assert [c[3] for c in fake.calls] == [6]  # only B (2T = 6 releases); A was recorded
   assert rows[0]["valid_nll"] == 3.1 and rows[0]["grad_evals_per_example"] == ""
   assert rows[1]["grad_evals_per_example"] == 6
   write_csv(str(tmp_path / "runs.csv"), [{**old, "extra": 1}])
   with pytest.raises(SystemExit, match="extra"):
-    text_sweep.run(exp, str(tmp_path), TEXT_DIR)
+    text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
 
 
 @needs_text_data
@@ -304,7 +304,7 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
       epsilons=(8.0,), seeds=(37,), vocab_size=512, eval_pairs=16, generate_groups=2,
       max_new_tokens=4)
   monkeypatch.setattr(text_sweep, "train_lm", _FakeTrainer())
-  text_sweep.run(exp, str(tmp_path / "out"), TEXT_DIR, gpt2_dir=checkpoint)
+  text_sweep.run(exp, str(tmp_path / "out"), TEXT_DIR, gpt2_dir=checkpoint, own_process=False)
   with open(tmp_path / "out" / "zero_shot.json") as f:
     record = json.load(f)
   tokenizer = GPT2Tokenizer(os.path.join(TEXT_DIR, "gpt2"), 512)
@@ -313,7 +313,8 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
   assert record["valid_nll"] == pytest.approx(expected, rel=1e-6)
   assert record["checkpoint_valid_nll"] == 6.25 and record["scores"]["test"]["groups"] == 2
   assert (tmp_path / "out" / f"{exp.metric}_vs_epsilon.png").exists()
-  # A rebuilt checkpoint that differs may not add runs to the same table.
+  # A rebuilt checkpoint that differs may not add runs to the same table (the refusal
+  # comes from the setup's own process, as in a real sweep).
   save_hf_gpt2(jax.tree.map(lambda p: p + 1.0, params), gpt2_config, checkpoint)
   with pytest.raises(SystemExit, match="sha256"):
     text_sweep.run(exp, str(tmp_path / "out"), TEXT_DIR, gpt2_dir=checkpoint)
@@ -331,6 +332,22 @@ def test_cli_tiny_run_of_the_pretrained_cpu_experiment_and_its_rerun(tmp_path, m
   monkeypatch.setattr(text_sweep, "train_lm", fake)
   assert text_sweep.main(args) == 0
   assert fake.calls == [] and text_sweep.read_rows(str(tmp_path / "runs.csv")) == rows
+
+
+def test_a_run_in_its_own_process_reports_its_own_peak_memory():
+  """The sweep's rows record each run's peak RSS, not the sweep process's peak so far
+  (which only grows): a child spawned after this process touched 1 GiB peaks below it."""
+  ballast = np.ones(2**27)  # 1 GiB, every page written
+  parent = peak_rss_gib()
+  child = text_sweep.in_own_process(peak_rss_gib)
+  assert ballast.sum() == 2**27 and parent > 1.0
+  assert child < parent - 0.5, (child, parent)
+  with pytest.raises(SystemExit, match="child"):  # a run's error reaches the sweep
+    text_sweep.in_own_process(_exit, "child")
+
+
+def _exit(message: str) -> None:
+  raise SystemExit(message)
 
 
 def _sweep_row(variant, optimizer, seed, releases, evals, nll, bleu, rouge, epsilon=8.0):

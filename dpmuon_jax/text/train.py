@@ -26,7 +26,8 @@ analysis only: it reads per-example gradients before noise and is not
 covered by the guarantee.
 
 Wall time and peak memory (the device's peak allocation where the backend
-reports it, and the process's peak RSS) are recorded for the K sweep of §5.3.
+reports it, and the process's peak RSS, both since the process started) are
+recorded for the K sweep of §5.3.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import dataclasses
 import json
 import os
 import resource
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -242,12 +244,31 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
 
 
 def peak_memory() -> dict[str, float]:
-  """Peak device allocation (GiB, where the backend reports it) and peak process RSS (GiB)."""
-  out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+  """Peak device allocation (GiB, where the backend reports it) and peak resident set (GiB).
+
+  Both are the PROCESS's peaks since it started, not one run's: for a figure per run, run
+  each run in a process of its own (``experiments.text_sweep`` does).
+  """
+  out = {"peak_rss_gib": peak_rss_gib()}
   stats = jax.devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     out["peak_device_gib"] = stats["peak_bytes_in_use"] / 2**30
   return out
+
+
+def peak_rss_gib() -> float:
+  """This process's peak resident set in GiB: Linux's VmHWM, which belongs to the process's
+  own memory map, else ``ru_maxrss``, which Linux carries over from the parent through
+  fork and exec (so a spawned child's would be at least its parent's peak)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 2**20
+  except OSError:
+    pass
+  unit = 2**30 if sys.platform == "darwin" else 2**20  # bytes on macOS, KiB elsewhere
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit
 
 
 def generate_texts(apply, params, tokenizer: GPT2Tokenizer, sources: list[str],
