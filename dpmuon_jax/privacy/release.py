@@ -29,10 +29,11 @@ from jax.experimental import io_callback
 
 from dpmuon_jax.privacy.clipping import LIMB_BITS, Clipping, GridSum, as_clipping
 from dpmuon_jax.privacy.discrete_gaussian import (
-    discrete_gaussian_noise_multiplier,
-    sample_discrete_gaussian,
+  discrete_gaussian_noise_multiplier,
+  sample_discrete_gaussian,
 )
-from dpmuon_jax.privacy.keys import KeyLike, stream_key
+from dpmuon_jax.privacy.fingerprint import tree_fingerprint
+from dpmuon_jax.privacy.keys import KeyLike, claim_noise_stream
 from dpmuon_jax.privacy.query import GRADIENT_QUERY, ClippedSum, QuerySpec, clip_and_sum
 
 PyTree = Any
@@ -247,6 +248,43 @@ def _validate(l2_clip_norm: float, noise_multiplier: float, denominator: float) 
     )
 
 
+class NoiseKeyUses:
+  """The noise keys one release has used, and on which clipped sum (by fingerprint).
+
+  A state that is not threaded through (``update`` called twice with one
+  state, ``init`` called again mid-training, a restored checkpoint continued
+  on other data) would add the noise of key index k to a second, different
+  sum; their difference would then be released without noise. :meth:`check`
+  runs on the host at every release (``io_callback``, also under ``jit``): the
+  same key on the same sum (a replay, bit for bit) is allowed, on another
+  sum it is refused: the release is replaced by NaN and a warning names the
+  key index. It catches reuse within one release object in one process;
+  ``docs/sharp-edges.md`` lists what it cannot see.
+  """
+
+  def __init__(self):
+    self._used: dict[tuple[bytes, int], bytes] = {}
+
+  def _claim(self, noise_key, count, fingerprint) -> np.ndarray:
+    use = (np.asarray(noise_key, np.uint32).tobytes(), int(count))
+    digest = np.asarray(fingerprint, np.uint32).tobytes()
+    fresh = self._used.setdefault(use, digest) == digest
+    if not fresh:
+      warnings.warn(
+          f"dp_release: noise key index {use[1]} was already used on a different clipped sum "
+          "(a state used twice, or init called again); this release is NaN. Thread the "
+          "optimizer state through every update.",
+          RuntimeWarning,
+          stacklevel=1,
+      )
+    return np.asarray(fresh)
+
+  def check(self, noise_key: jax.Array, count: jax.Array, fingerprint: jax.Array) -> jax.Array:
+    """True unless this key was used before on a sum with another fingerprint."""
+    return io_callback(self._claim, jax.ShapeDtypeStruct((), jnp.bool_), noise_key, count,
+                       fingerprint, ordered=False)
+
+
 def dp_release(
     l2_clip_norm: float,
     noise_multiplier: float,
@@ -299,6 +337,7 @@ def dp_release(
   spec, noise_key = _release_spec(
       l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring, secure_noise
   )
+  key_uses = NoiseKeyUses()
 
   def init_fn(params):
     del params
@@ -317,6 +356,11 @@ def dp_release(
           lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
           clipped.total, noise, params,
       )
+      # Without noise there is no key to protect. Several processes: a host callback would
+      # run in one of them only; there the trainer's release journal guards the keys.
+      if spec.noise_multiplier > 0 and jax.process_count() == 1:
+        fresh = key_uses.check(state.noise_key, state.count, tree_fingerprint(clipped.total))
+        released = jax.tree.map(lambda x: jnp.where(fresh, x, jnp.nan), released)
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
   return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
@@ -336,7 +380,7 @@ def _release_spec(
     raise ValueError(
         f"clipping bound {clipping.l2_clip_norm} differs from l2_clip_norm {l2_clip_norm}."
     )
-  noise_key, seeded = stream_key(key, "noise")
+  noise_key, seeded = claim_noise_stream(key)
   spec = GaussianReleaseSpec(
       float(l2_clip_norm), float(noise_multiplier), float(denominator), seeded, neighbouring,
       clipping,

@@ -10,7 +10,7 @@ and builds the sampler, the release and the ledger from these numbers ONCE,
 so q, σ, D and T cannot disagree: the ledger reads them back from the
 sampler and release objects. The sampler and the release share one root key
 (drawn once from OS entropy when ``key=None``) and use its different named
-streams.
+streams; every release built from the setup claims a noise stream of its own.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ class PrivateSetup(NamedTuple):
       target ε, read from ``sampler`` and ``release``.
     release_kwargs: ``l2_clip_norm``, ``noise_multiplier``, ``denominator``,
       ``key`` and ``clipping`` for building a ``dp_*`` optimizer with the same
-      release, e.g. ``dp_sgd(learning_rate, **setup.release_kwargs)``.
+      release settings, e.g. ``dp_sgd(learning_rate, **setup.release_kwargs)``.
+      ``key`` is the run's :class:`~dpmuon_jax.privacy.keys.RootKey`: every
+      optimizer built from it claims a noise stream of its own, so two
+      optimizers of one setup never add the same noise.
   """
 
   sampler: PoissonSampler
@@ -61,8 +64,11 @@ class PrivateSetup(NamedTuple):
   def private_optimizer(
       self, *post_processing: optax.GradientTransformation
   ) -> PrivateTransformation:
-    """``optax.chain(release, *post_processing)``: a complete private optimizer."""
-    return privatize(self.release, *post_processing)
+    """``optax.chain(release, *post_processing)``: a complete private optimizer.
+
+    Each call builds a new release with these settings and a noise stream of its own.
+    """
+    return privatize(dp_release(**self.release_kwargs), *post_processing)
 
   def clipped_sum(
       self,
