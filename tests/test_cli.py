@@ -129,3 +129,24 @@ def test_secure_noise_with_ghost_clipping_is_refused_in_one_line(tmp_path, capsy
   assert code != 0
   err = capsys.readouterr().err
   assert "--clipped-sum-method vmap" in err and "Traceback" not in err
+
+
+def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys):
+  out = str(tmp_path / "run")
+  first = ["train", "--max-steps", "2", "--seed", "1", "--batch-size", "64", "--epochs", "0.2",
+           "--output-dir", out, "--no-progress", "--no-plot"]
+  assert main(first) == 0
+  # No --epochs, --batch-size or --seed: the run's own are reused; it runs to its end.
+  assert main(["train", "--resume", "--output-dir", out, "--no-progress", "--no-plot"]) == 0
+  with open(os.path.join(out, "results.json")) as f:
+    results = json.load(f)
+  assert results["config"]["epochs"] == 0.2 and results["config"]["batch_size"] == 64
+  assert results["releases"] == results["planned_steps"] > 2
+  assert results["stop_reason"] == "completed"
+  # Stating another privacy setting anew is refused, in one line, without the old doubling.
+  capsys.readouterr()
+  assert main(["train", "--resume", "--epochs", "0.3", "--output-dir", out, "--no-progress",
+               "--no-plot"]) == 2
+  err = capsys.readouterr().err
+  assert "Refusing to resume: changed privacy configuration" in err
+  assert "Refusing to continue" not in err and len(err.strip().splitlines()) == 1

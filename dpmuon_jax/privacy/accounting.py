@@ -522,7 +522,7 @@ class PrivacyLedger:
     diff = _differences(self.config, other.config, LedgerConfig._fields)
     if diff:
       raise ValueError(
-          "Refusing to continue under a changed privacy configuration (" + "; ".join(diff) + ")."
+          "changed privacy configuration (" + "; ".join(diff) + ")"
       )
 
   def __repr__(self) -> str:
