@@ -449,6 +449,40 @@ def _given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
           if any(token == option or token.startswith(option + "=") for token in argv)}
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+  """Refuses a NaN, infinite or out-of-range number of ``account``, ``tune`` or ``compare``.
+
+  Before any work, in one line that names the flag; ``train`` checks its own
+  numbers in its ``TrainConfig``.
+  """
+  from dpmuon_jax import checks
+
+  if args.command not in ("account", "tune", "compare"):
+    return
+  runs_low = 0.0 if getattr(args, "poisson", False) else 1.0  # Poisson(μ > 0); TNB: mean > 1
+  rules = {
+      "epsilon": checks.check_positive,
+      "sigma": checks.check_nonnegative,
+      "delta": lambda flag, v: checks.check_in_range(flag, v, 0.0, 1.0, False, False),
+      "sampling_rate": lambda flag, v: checks.check_in_range(flag, v, 0.0, 1.0, False, True),
+      "steps": checks.check_positive_int,
+      "dataset_size": checks.check_positive_int,
+      "epochs": checks.check_positive,
+      "clip": checks.check_positive,
+      "lr_center": checks.check_positive,
+      "expected_runs": lambda flag, v: checks.check_in_range(flag, v, runs_low,
+                                                             low_inclusive=False),
+      "eta": lambda flag, v: checks.check_in_range(flag, v, -1.0, low_inclusive=False),
+      "score_std": checks.check_positive,
+  }
+  for dest, check in rules.items():
+    if getattr(args, dest, None) is not None:
+      check("--" + dest.replace("_", "-"), getattr(args, dest))
+  if getattr(args, "learning_rates", None) is not None:
+    for rate in _floats(args.learning_rates, "--learning-rates"):
+      checks.check_positive("--learning-rates", rate)
+
+
 def main(argv: list[str] | None = None) -> int:
   from absl import logging as absl_logging
 
@@ -457,11 +491,12 @@ def main(argv: list[str] | None = None) -> int:
   if argv[:1] == ["audit"]:
     from dpmuon_jax.audit.run_audit import main as audit_main
 
-    return audit_main(argv[1:])
+    return audit_main(argv[1:], prog="dpmuon audit")
   parser = _parser()
   args = parser.parse_args(argv)
   args.given = _given_options(parser, argv)
   try:
+    _check_numbers(args)
     commands = {"train": _train, "export": _export, "account": _account, "tune": _tune,
                 "compare": _compare}
     return commands[args.command](args)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
 from dpmuon_jax.privacy.clipping import Clipping, as_clipping
 from dpmuon_jax.privacy.keys import KeyLike, root_key
@@ -83,12 +84,6 @@ class PrivateSetup(NamedTuple):
     return clipped_sum(query, query_inputs, batch, mask, clipping, microbatch_size)
 
 
-def _positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-  return value
-
-
 def make_private(
     *,
     target_epsilon: float,
@@ -135,7 +130,7 @@ def make_private(
   Returns:
     A :class:`PrivateSetup`.
   """
-  dataset_size = _positive_int("dataset_size", dataset_size)
+  dataset_size = checks.check_positive_int("dataset_size", dataset_size)
   if not 0 < expected_batch_size <= dataset_size:
     raise ValueError(
         f"expected_batch_size must be in (0, dataset_size={dataset_size}], "
@@ -145,11 +140,9 @@ def make_private(
     raise ValueError("Give exactly one of epochs and steps.")
   sampling_rate = expected_batch_size / dataset_size
   if steps is None:
-    assert epochs is not None  # exactly one of the two, checked above
-    if not epochs > 0:
-      raise ValueError(f"epochs must be positive, got {epochs}.")
+    epochs = checks.check_positive("epochs", epochs)
     steps = max(1, round(epochs / sampling_rate))
-  steps = _positive_int("steps", steps)
+  steps = checks.check_positive_int("steps", steps)
   if noise_multiplier is None:
     noise_multiplier = calibrate_noise_multiplier(
         target_epsilon, target_delta, sampling_rate, steps, accountant
