@@ -389,31 +389,78 @@ def _release_spec(
 
 
 def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> ClippedSum:
-  """The clipped sum of the release's input, after checking its shapes, bound and grid."""
+  """The clipped sum of the release's input, after checking its shapes, rule, seal and bound."""
   if params is None:
     raise ValueError(
         "dp_release needs params (opt.update(per_example_grads, state, params)) to check "
         "that its input has the parameters' shapes."
     )
-  if isinstance(updates, ClippedSum):
-    if mask is not None:
-      raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
-    if updates.l2_sensitivity != spec.l2_clip_norm:
-      raise ValueError(
-          f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
-          f"clipped sum has sensitivity {updates.l2_sensitivity}."
-      )
-    check_sum_shapes(updates.total, params)
-    clipped = updates
-  else:
+  if not isinstance(updates, ClippedSum):
     check_per_example_shapes(updates, params)
-    clipped = clip_and_sum(updates, mask, spec.clipping)
-  if clipped.grid_bits != spec.clipping.grid_bits:
+    return clip_and_sum(updates, mask, spec.clipping)
+  if mask is not None:
+    raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
+  if updates.l2_sensitivity != spec.l2_clip_norm:
     raise ValueError(
-        f"The clipped sum's grid (grid_bits={clipped.grid_bits}) is not the release's "
+        f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
+        f"clipped sum has sensitivity {updates.l2_sensitivity}."
+    )
+  check_sum_shapes(updates.total, params)
+  if updates.grid_bits != spec.clipping.grid_bits:
+    raise ValueError(
+        f"The clipped sum's grid (grid_bits={updates.grid_bits}) is not the release's "
         f"({spec.clipping.grid_bits}); build both from the optimizer's clipping rule."
     )
-  return clipped
+  if not updates.clipping.matches(spec.clipping):
+    raise ValueError(
+        f"The clipped sum was clipped with {updates.clipping.describe()}, the release with "
+        f"{spec.clipping.describe()}; build it with the optimizer's rule "
+        "(optimizer.release.clipping)."
+    )
+  return _sealed_and_bounded(updates)
+
+
+def _warn_refused() -> None:
+  warnings.warn(
+      "dp_release refused a ClippedSum under jit (its seal or its bound ||total|| <= "
+      "num_examples * C failed: it was changed after clipping); its total was replaced by "
+      "NaN (by a constant in secure-noise mode), so the update depends on no data.",
+      RuntimeWarning, stacklevel=1,
+  )
+
+
+def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
+  """``clipped`` if its seal matches its bits and ‖total‖₂ ≤ num_examples·C (privacy invariant 8).
+
+  Concrete values that fail are refused with a ``ValueError``. Under ``jit``
+  the check is a traced bool: a failing sum's total becomes NaN (the integer
+  limbs of a grid sum a data-independent constant), so nothing that depends on
+  it is released, and a host-side ``RuntimeWarning`` says so.
+  """
+  intact = clipped.seal_holds()
+  norm, bound = clipped.norm_and_bound()
+  within = norm <= bound
+  if not isinstance(intact, jax.core.Tracer) and not isinstance(within, jax.core.Tracer):
+    if not bool(intact):
+      raise ValueError(
+          "The ClippedSum was changed after clipping (its seal does not match its total): "
+          "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
+          "disjoint examples with a.add_disjoint(b).")
+    if not bool(within):
+      raise ValueError(
+          f"The ClippedSum's norm {float(norm):.6g} exceeds num_examples x bound = "
+          f"{float(bound):.6g}: it is not a sum of {float(clipped.stats.num_examples):g} "
+          "clipped queries.")
+    return clipped
+  ok = intact & within
+  jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(_warn_refused))
+
+  def poison(x):
+    bad = jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).max
+    return jnp.where(ok, x, jnp.asarray(bad, x.dtype))
+
+  (total, stats, seal), aux = clipped.tree_flatten()
+  return ClippedSum.tree_unflatten(aux, (jax.tree.map(poison, total), stats, seal))
 
 
 def optimizer_clipping(
