@@ -32,7 +32,6 @@ from dpmuon_jax.privacy.discrete_gaussian import (
   discrete_gaussian_noise_multiplier,
   sample_discrete_gaussian,
 )
-from dpmuon_jax.privacy.fingerprint import tree_fingerprint
 from dpmuon_jax.privacy.keys import KeyLike, claim_noise_stream
 from dpmuon_jax.privacy.query import GRADIENT_QUERY, ClippedSum, QuerySpec, clip_and_sum
 
@@ -255,8 +254,9 @@ class NoiseKeyUses:
   state, ``init`` called again mid-training, a restored checkpoint continued
   on other data) would add the noise of key index k to a second, different
   sum; their difference would then be released without noise. :meth:`check`
-  runs on the host at every release (``io_callback``, also under ``jit``): the
-  same key on the same sum (a replay, bit for bit) is allowed, on another
+  runs on the host at every release (``io_callback``, also under ``jit``) with
+  the sum's seal (its bit-level fingerprint, :func:`~dpmuon_jax.privacy.query.fingerprint`):
+  the same key on the same sum (a replay, bit for bit) is allowed, on another
   sum it is refused: the release is replaced by NaN and a warning names the
   key index. It catches reuse within one release object in one process;
   ``docs/sharp-edges.md`` lists what it cannot see.
@@ -359,7 +359,7 @@ def dp_release(
       # Without noise there is no key to protect. Several processes: a host callback would
       # run in one of them only; there the trainer's release journal guards the keys.
       if spec.noise_multiplier > 0 and jax.process_count() == 1:
-        fresh = key_uses.check(state.noise_key, state.count, tree_fingerprint(clipped.total))
+        fresh = key_uses.check(state.noise_key, state.count, clipped.seal)
         released = jax.tree.map(lambda x: jnp.where(fresh, x, jnp.nan), released)
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
