@@ -14,6 +14,7 @@ machine whose load changes affects all of them alike.
 
     python benchmarks/bench_spectral.py                # everything
     python benchmarks/bench_spectral.py --skip-step    # parts 1 and 2 only
+    python benchmarks/bench_spectral.py --quick        # one repeat, B = 64 (smoke run)
 """
 
 from __future__ import annotations
@@ -146,12 +147,19 @@ def bench_step(batch_size: int, microbatch: int, repeats: int) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--repeats", type=int, default=21)
-  parser.add_argument("--batch-size", type=int, default=1024)
-  parser.add_argument("--microbatch", type=int, default=256)
-  parser.add_argument("--step-repeats", type=int, default=3)
-  parser.add_argument("--skip-step", action="store_true")
+  parser.add_argument("--quick", action="store_true",
+                      help="one repeat; step at B = 64, microbatch 32")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="Newton–Schulz timing repeats (default: 21)")
+  parser.add_argument("--batch-size", type=int, default=None, help="step batch (default: 1024)")
+  parser.add_argument("--microbatch", type=int, default=None, help="step chunk (default: 256)")
+  parser.add_argument("--step-repeats", type=int, default=None, help="default: 3")
+  parser.add_argument("--skip-step", action="store_true", help="parts 1 and 2 only")
   args = parser.parse_args()
+  args.repeats = args.repeats or (1 if args.quick else 21)
+  args.batch_size = args.batch_size or (64 if args.quick else 1024)
+  args.microbatch = args.microbatch or (32 if args.quick else 256)
+  args.step_repeats = args.step_repeats or (1 if args.quick else 3)
   print(f"jax {jax.__version__}, devices {jax.devices()}")
   bench_newton_schulz(args.repeats)
   bench_state_bytes()
