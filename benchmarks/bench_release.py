@@ -104,10 +104,6 @@ def time_steps(configs: dict, rounds: int) -> dict:
   return {name: min(ts) for name, ts in times.items()}
 
 
-
-
-
-
 def memory_child(batch_size: int, microbatch: int) -> None:
   """Runs one chunked DP-SGD step; prints peak RSS and XLA sizes as JSON.
 
@@ -189,6 +185,7 @@ def main() -> None:
   ratio = large[key] / small[key]
   print(f"  {key} B={mem_sizes[1]} / B={mem_sizes[0]}: {ratio:.2f}× (target ≤ 1.3×)"
         f"{'  MISSED' if ratio > 1.3 else ''}")
+
 
 if __name__ == "__main__":
   main()
