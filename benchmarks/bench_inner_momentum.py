@@ -1,7 +1,7 @@
 """Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC.
 
     python benchmarks/bench_inner_momentum.py            # small CNN, B = 1024, microbatch 128
-    python benchmarks/bench_inner_momentum.py --quick    # B = 64, microbatch 32
+    python benchmarks/bench_inner_momentum.py --quick    # B = 64; DP-Muon, IM K=1, BC (smoke run)
     python benchmarks/bench_inner_momentum.py --workload gpt2   # the e2e_cpu_im GPT-2, B = 256
 
 ``--workload gpt2`` times ``GPT2_CPU``, the CPU-scale GPT-2 of
@@ -48,6 +48,7 @@ CONFIGS = {
        for k in (0, 1, 2, 4)},
     "DP-Muon-BC": lambda d, **kw: dp_muon_bc(0.02, 1.0, 1.0, d, key=0, **kw),
 }
+QUICK_CONFIGS = ("DP-Muon", "DP-Muon-IM K=1", "DP-Muon-BC")  # --quick: each code path once
 GPT2_MAX_LENGTH = 128  # tokens per example, as e2e_cpu_im
 GPT2_ROUTING = {"routing": "paper2", "fallback": Fallback(kind="adamw", learning_rate=3e-3)}
 
@@ -105,7 +106,9 @@ def _gib(value: float | None) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="B = 64, one timing round")
+  parser.add_argument("--quick", action="store_true",
+                      help="B = 64, microbatch 32, 2 rounds; DP-Muon, IM K=1 and BC, "
+                      "DP-Muon's memory only")
   parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn")
   parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -119,22 +122,26 @@ def main() -> None:
     batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (1024, 128, 3)
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.workload}, "
         f"B = {batch_size}, microbatch {microbatch}, {rounds} rounds")
-  built = {name: build(name, batch_size, microbatch, args.workload) for name in CONFIGS}
-  times = {name: [] for name in CONFIGS}
+  names = QUICK_CONFIGS if args.quick else tuple(CONFIGS)
+  built = {name: build(name, batch_size, microbatch, args.workload) for name in names}
+  times = {name: [] for name in names}
   for _ in range(rounds):
     for name, (compiled, step_args) in built.items():
       start = time.perf_counter()
       jax.block_until_ready(compiled(*step_args))
       times[name].append(time.perf_counter() - start)
   base = min(times["DP-Muon"])
-  for name in CONFIGS:
+  for name in names:
+    t = min(times[name])
+    if args.quick and name != "DP-Muon":  # --quick measures one child (the code path)
+      print(f"  {name:18s} step {t:7.3f} s ({t / base:4.2f}× DP-Muon)   (memory: not in --quick)")
+      continue
     out = subprocess.run(
         [sys.executable, __file__, "--memory-child", name, str(batch_size), str(microbatch),
          args.workload],
         capture_output=True, text=True, check=True,
     )
     mem = json.loads(out.stdout.strip().splitlines()[-1])
-    t = min(times[name])
     print(f"  {name:18s} step {t:7.3f} s ({t / base:4.2f}× DP-Muon)   "
           f"peak RSS {_gib(mem['step_peak_rss_gib'])}   XLA temp {mem['xla_temp_gib']:.3f} GiB"
           f"   opt state {mem['opt_state_mib']:.2f} MiB")
