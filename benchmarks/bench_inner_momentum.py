@@ -1,7 +1,7 @@
 """Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC.
 
     python benchmarks/bench_inner_momentum.py            # small CNN, B = 1024, microbatch 128
-    python benchmarks/bench_inner_momentum.py --quick    # B = 64, microbatch 32
+    python benchmarks/bench_inner_momentum.py --quick    # B = 64; DP-Muon, IM K=1, BC (smoke run)
     python benchmarks/bench_inner_momentum.py --workload gpt2   # the e2e_cpu_im GPT-2, B = 256
 
 ``--workload gpt2`` times ``GPT2_CPU``, the CPU-scale GPT-2 of
@@ -15,8 +15,10 @@ post-processing) on :func:`dpmuon_jax.models.cnn.small_cnn` (CIFAR-shaped):
 * step time: minimum over interleaved rounds (the cores are shared), and its
   ratio to DP-Muon's; IM costs K + 1 gradient evaluations per example;
 * memory, in a fresh child process per optimizer: the peak resident set size
-  of one compiled step (Linux VmHWM reset after compilation), XLA's temporary
-  buffers, and the optimizer state (IM keeps K copies of the parameters).
+  of one compiled step (``_peak_rss.reset_peak_rss`` after compilation, as in the
+  other benchmarks: the compiler's freed heap is trimmed, then Linux's VmHWM is
+  reset), XLA's temporary buffers, and the optimizer state (IM keeps K copies of
+  the parameters).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ CONFIGS = {
        for k in (0, 1, 2, 4)},
     "DP-Muon-BC": lambda d, **kw: dp_muon_bc(0.02, 1.0, 1.0, d, key=0, **kw),
 }
+QUICK_CONFIGS = ("DP-Muon", "DP-Muon-IM K=1", "DP-Muon-BC")  # --quick: each code path once
 GPT2_MAX_LENGTH = 128  # tokens per example, as e2e_cpu_im
 GPT2_ROUTING = {"routing": "paper2", "fallback": Fallback(kind="adamw", learning_rate=3e-3)}
 
@@ -85,21 +88,27 @@ def build(name: str, batch_size: int, microbatch: int | None, workload: str = "c
   return compiled, args
 
 
-
-
 def memory_child(name: str, batch_size: int, microbatch: int, workload: str) -> None:
   compiled, args = build(name, batch_size, microbatch or None, workload)
-  reset_peak_rss()  # measure the step, not compilation
-  jax.block_until_ready(compiled(*args))
+  peak = None
+  if reset_peak_rss():  # the step's own peak, not the compiler's
+    jax.block_until_ready(compiled(*args))
+    peak = peak_rss_gib()
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(args[1]) if hasattr(x, "nbytes"))
-  print(json.dumps({"step_peak_rss_gib": peak_rss_gib(),
+  print(json.dumps({"step_peak_rss_gib": peak,
                     "xla_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
                     "opt_state_mib": state_bytes / 2**20}))
 
 
+def _gib(value: float | None) -> str:
+  return "n/a (no VmHWM reset)" if value is None else f"{value:.3f} GiB"
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="B = 64, one timing round")
+  parser.add_argument("--quick", action="store_true",
+                      help="B = 64, microbatch 32, 2 rounds; DP-Muon, IM K=1 and BC, "
+                      "DP-Muon's memory only")
   parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn")
   parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -113,24 +122,28 @@ def main() -> None:
     batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (1024, 128, 3)
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.workload}, "
         f"B = {batch_size}, microbatch {microbatch}, {rounds} rounds")
-  built = {name: build(name, batch_size, microbatch, args.workload) for name in CONFIGS}
-  times = {name: [] for name in CONFIGS}
+  names = QUICK_CONFIGS if args.quick else tuple(CONFIGS)
+  built = {name: build(name, batch_size, microbatch, args.workload) for name in names}
+  times = {name: [] for name in names}
   for _ in range(rounds):
     for name, (compiled, step_args) in built.items():
       start = time.perf_counter()
       jax.block_until_ready(compiled(*step_args))
       times[name].append(time.perf_counter() - start)
   base = min(times["DP-Muon"])
-  for name in CONFIGS:
+  for name in names:
+    t = min(times[name])
+    if args.quick and name != "DP-Muon":  # --quick measures one child (the code path)
+      print(f"  {name:18s} step {t:7.3f} s ({t / base:4.2f}× DP-Muon)   (memory: not in --quick)")
+      continue
     out = subprocess.run(
         [sys.executable, __file__, "--memory-child", name, str(batch_size), str(microbatch),
          args.workload],
         capture_output=True, text=True, check=True,
     )
     mem = json.loads(out.stdout.strip().splitlines()[-1])
-    t = min(times[name])
     print(f"  {name:18s} step {t:7.3f} s ({t / base:4.2f}× DP-Muon)   "
-          f"peak RSS {mem['step_peak_rss_gib']:.3f} GiB   XLA temp {mem['xla_temp_gib']:.3f} GiB"
+          f"peak RSS {_gib(mem['step_peak_rss_gib'])}   XLA temp {mem['xla_temp_gib']:.3f} GiB"
           f"   opt state {mem['opt_state_mib']:.2f} MiB")
 
 

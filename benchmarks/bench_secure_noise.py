@@ -2,6 +2,7 @@
 
     python benchmarks/bench_secure_noise.py                      # d = 1e4, 1e5, 1e6
     python benchmarks/bench_secure_noise.py --dims 1000000 --repeats 9
+    python benchmarks/bench_secure_noise.py --quick              # d = 1e3, B = 16, one round
 
 Prints, for each number of coordinates d, the seconds to draw d noise
 coordinates, measured side by side in one run:
@@ -92,12 +93,18 @@ def bench_step(batch_size: int, repeats: int) -> tuple[dict[str, float], int]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--dims", type=int, nargs="+", default=[10**4, 10**5, 10**6],
+  parser.add_argument("--quick", action="store_true", help="d = 1e3, one round, B = 16")
+  parser.add_argument("--dims", type=int, nargs="+", default=None,
                       help="numbers of noise coordinates d (default: 1e4 1e5 1e6)")
-  parser.add_argument("--repeats", type=int, default=5, help="timed rounds per d (median kept)")
-  parser.add_argument("--step-batch", type=int, default=256,
-                      help="batch size of the whole-step comparison (0: skip it)")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed rounds per d, median kept (default: 5)")
+  parser.add_argument("--step-batch", type=int, default=None,
+                      help="batch size of the whole-step comparison, 0 skips it (default: 256)")
   args = parser.parse_args()
+  args.dims = args.dims or ([10**3] if args.quick else [10**4, 10**5, 10**6])
+  args.repeats = args.repeats or (1 if args.quick else 5)
+  if args.step_batch is None:
+    args.step_batch = 16 if args.quick else 256
   print(f"== noise draw, {jax.devices()[0].platform}, σ = {SIGMA} "
         f"(median of {args.repeats} interleaved rounds)")
   print(f"{'d':>9} {'σ_int':>7} {'float s':>10} {'secure s':>10} {'secure/float':>12} "

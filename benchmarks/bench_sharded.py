@@ -1,6 +1,7 @@
 """Throughput of the data-parallel private step on 1, 2, 4, 8 simulated CPU devices.
 
     python benchmarks/bench_sharded.py [--batch 256] [--steps 20] [--no-audit]
+    python benchmarks/bench_sharded.py --quick     # B = 64, 2 steps, no audit (smoke run)
 
 Each device count runs in its own subprocess (the count must be fixed before
 JAX starts). Simulated CPU devices share the machine's cores, so the ratio to
@@ -58,11 +59,16 @@ def _run(devices: int, batch: int, steps: int) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--no-audit", dest="audit", action="store_false")
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="B = 64, 2 steps, no audit")
+  parser.add_argument("--batch", type=int, default=None, help="default: 256")
+  parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20)")
+  parser.add_argument("--no-audit", dest="audit", action="store_false",
+                      help="skip timing the one-run audit")
   args = parser.parse_args()
+  args.batch = args.batch or (64 if args.quick else 256)
+  args.steps = args.steps or (2 if args.quick else 20)
+  args.audit = args.audit and not args.quick
   rows = [_run(n, args.batch, args.steps) for n in (1, 2, 4, 8)]
   base = rows[0]["examples_per_s"]
   print(f"{'devices':>8} {'examples/s':>12} {'ratio to 1':>11}")

@@ -14,6 +14,7 @@ machine whose load changes affects all of them alike.
 
     python benchmarks/bench_spectral.py                # everything
     python benchmarks/bench_spectral.py --skip-step    # parts 1 and 2 only
+    python benchmarks/bench_spectral.py --quick        # one repeat, small shapes (smoke run)
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def interleaved_medians(candidates: dict, repeats: int) -> dict[str, float]:
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_newton_schulz(repeats: int) -> None:
+def bench_newton_schulz(repeats: int, shapes=tuple(NS_SHAPES)) -> None:
   print(f"\n== Newton–Schulz, 5 steps, float32, {jax.devices()[0].platform} "
         f"(median of {repeats}; large shapes {max(3, repeats // 5)}; SVD 3)")
   ours = jax.jit(lambda x: newton_schulz(x, eps=1e-8))
@@ -66,7 +67,7 @@ def bench_newton_schulz(repeats: int) -> None:
 
   print(f"{'shape':>11} {'ours ms':>9} {'optax ms':>9} {'svd ms':>9} {'ours/optax':>10} "
         f"{'svd/ours':>9} {'max|diff|':>10}")
-  for shape in NS_SHAPES:
+  for shape in shapes:
     x = jax.random.normal(jax.random.key(0), shape)
     diff = float(jnp.max(jnp.abs(ours(x) - theirs(x))))
     large = shape[0] * shape[1] >= 2**20
@@ -146,14 +147,22 @@ def bench_step(batch_size: int, microbatch: int, repeats: int) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--repeats", type=int, default=21)
-  parser.add_argument("--batch-size", type=int, default=1024)
-  parser.add_argument("--microbatch", type=int, default=256)
-  parser.add_argument("--step-repeats", type=int, default=3)
-  parser.add_argument("--skip-step", action="store_true")
+  parser.add_argument("--quick", action="store_true",
+                      help="one repeat; the two small Newton–Schulz shapes; step at B = 64, "
+                      "microbatch 32")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="Newton–Schulz timing repeats (default: 21)")
+  parser.add_argument("--batch-size", type=int, default=None, help="step batch (default: 1024)")
+  parser.add_argument("--microbatch", type=int, default=None, help="step chunk (default: 256)")
+  parser.add_argument("--step-repeats", type=int, default=None, help="default: 3")
+  parser.add_argument("--skip-step", action="store_true", help="parts 1 and 2 only")
   args = parser.parse_args()
+  args.repeats = args.repeats or (1 if args.quick else 21)
+  args.batch_size = args.batch_size or (64 if args.quick else 1024)
+  args.microbatch = args.microbatch or (32 if args.quick else 256)
+  args.step_repeats = args.step_repeats or (1 if args.quick else 3)
   print(f"jax {jax.__version__}, devices {jax.devices()}")
-  bench_newton_schulz(args.repeats)
+  bench_newton_schulz(args.repeats, NS_SHAPES[:2] if args.quick else NS_SHAPES)
   bench_state_bytes()
   if not args.skip_step:
     bench_step(args.batch_size, args.microbatch, args.step_repeats)

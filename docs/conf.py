@@ -1,5 +1,8 @@
 """Sphinx configuration: the API reference from the docstrings, the Markdown pages as they are.
 
+The docstrings are reStructuredText as written (Google-style sections for napoleon, equations
+in ``::`` literal blocks), rendered without rewriting.
+
 Build (no network needed): ``sphinx-build -W --keep-going -b html docs docs/_build/html``.
 Set ``DPMUON_DOCS_INTERSPHINX=1`` to link Python, NumPy, JAX and Optax names to their
 online documentation (that build downloads the inventories).
@@ -8,7 +11,6 @@ online documentation (that build downloads the inventories).
 import importlib.util
 import os
 import pathlib
-import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,55 +79,6 @@ if os.environ.get("DPMUON_DOCS_INTERSPHINX") == "1":
   }
 
 
-# The docstrings are written for ``help()``: Unicode equations in indented blocks
-# (aligned by hand, sometimes with deeper continuation lines) and |x| for absolute
-# values. In reStructuredText those are block quotes (alignment lost, continuation
-# lines an error) and substitution references. ``_as_rest`` shows such blocks
-# verbatim, as literal blocks, and |x| as text; everything else is left to napoleon.
-_SUBSTITUTION = re.compile(r"(?<![\w|\\])\|(?=\S)([^|`]*?\S)\|(?![\w|])")
-_BULLET = re.compile(r"^(\s*)([*+-]|\d+\.|#\.)\s+")
-
-
-def _indent(line: str) -> int:
-  return len(line) - len(line.lstrip())
-
-
-def _text_indent(line: str) -> int:
-  """Where a paragraph's text starts: after the marker for a list item."""
-  bullet = _BULLET.match(line)
-  return bullet.end() if bullet else _indent(line)
-
-
-def _literal_text(line: str) -> str:
-  """|x| outside ``inline literals`` escaped, so it is not a substitution."""
-  parts = line.split("``")
-  parts[::2] = [_SUBSTITUTION.sub(r"\\|\1|", part) for part in parts[::2]]
-  return "``".join(parts)
-
-
-def _as_rest(app, what, name, obj, options, lines):
-  """Indented blocks after a blank line become literal blocks; |x| becomes text."""
-  del app, what, name, obj, options
-  out: list[str] = []
-  literal_at = None  # indentation of the literal block we are in, if any
-  for i, line in enumerate(lines):
-    if literal_at is not None and line.strip() and _indent(line) < literal_at:
-      literal_at = None
-    if literal_at is not None or not line.strip():
-      out.append(line)
-      continue
-    previous = next((p for p in reversed(out) if p.strip()), None)
-    after_blank = i > 0 and not lines[i - 1].strip()
-    if previous is not None and after_blank and previous.rstrip().endswith("::"):
-      literal_at = _indent(line)
-    elif (previous is not None and after_blank and not line.lstrip().startswith(".. ")
-          and _indent(line) >= _text_indent(previous) + 4):
-      out[-1:-1] = ["", " " * _text_indent(previous) + "::"]
-      literal_at = _indent(line)
-    out.append(line if literal_at is not None else _literal_text(line))
-  lines[:] = out
-
-
 def _skip_field_alias(app, what, name, obj, skip, options):
   """NamedTuple fields are described in their class's "Attributes:" section, not twice."""
   del app, name, options
@@ -136,4 +89,3 @@ def _skip_field_alias(app, what, name, obj, skip, options):
 
 def setup(app):
   app.connect("autodoc-skip-member", _skip_field_alias)
-  app.connect("autodoc-process-docstring", _as_rest, priority=400)  # before napoleon

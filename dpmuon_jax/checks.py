@@ -1,7 +1,7 @@
 """Refusing numeric options that would make a run meaningless, in one line.
 
 Every ``check_*`` takes the option's name, as its caller's user spells it, and
-its value. It returns the value as a Python number, or raises
+its value. It returns the value as a Python number, or raises ::
 
     ValueError("<name> must be <what is allowed>, got <value>.")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 _DESCRIPTION = """\
@@ -27,9 +28,14 @@ Every run samples batches with Poisson sampling, clips each example's gradient
 to L2 norm C, adds Gaussian noise N(0, σ²C²) to the sum and divides by the
 expected batch size; σ is calibrated so the whole run spends at most the
 target ε (dp-accounting, RDP). The guarantee is per run (add/remove one
-example); a search over many runs is not covered, except by ``dpmuon tune``,
+example); a search over many runs is not covered, except by 'dpmuon tune',
 whose (ε, δ) accounts for its whole learning-rate search.
+
+Each command has its own help: dpmuon train --help, dpmuon audit --help, ...
 """
+
+
+TRAIN_BATCH_SIZE = 256  # the expected batch size of every command that trains
 
 
 def _positive_int(text: str) -> int:
@@ -37,6 +43,18 @@ def _positive_int(text: str) -> int:
   if value <= 0:
     raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
   return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Appends an option's default to its help, unless the help already names its default
+  or there is none to show (None, or a flag that takes no value)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ""
+    if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0
+        or "default" in text.lower()):
+      return text
+    return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -50,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
   parser = _OneLineErrorParser(
       prog="dpmuon", description=_DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
   )
+  from dpmuon_jax import __version__
+
+  parser.add_argument("--version", action="version", version=f"dpmuon {__version__}")
   sub = parser.add_subparsers(dest="command", required=True)
   _add_train(sub)
   _add_distributed(sub.choices["train"])
@@ -90,9 +111,11 @@ def _add_train(sub) -> None:
       allow_abbrev=False,  # --resume reuses every setting not written out in full
       help="train a model privately to a target (ε, δ)",
       description="Train an image classifier with a differentially private optimizer.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      formatter_class=HelpFormatter,
   )
-  train.add_argument("--model", default="cnn", choices=MODEL_NAMES)
+  train.add_argument("--model", default="cnn", choices=MODEL_NAMES,
+                     help="cnn: the small benchmark CNN; wrn16_4, wrn28_10, resnet18 "
+                     "(GroupNorm); vit_small (LayerNorm)")
   train.add_argument(
       "--dataset",
       default="digits",
@@ -105,9 +128,11 @@ def _add_train(sub) -> None:
                      help=optimizer_help)
   train.add_argument("--epsilon", type=float, default=4.0, help="target ε of the whole run")
   train.add_argument("--delta", type=float, default=1e-5, help="target δ (keep it below 1/N)")
-  train.add_argument("--batch-size", type=int, default=256,
+  train.add_argument("--batch-size", type=int, default=TRAIN_BATCH_SIZE,
                      help="expected batch size qN of Poisson sampling (also the noise denominator)")
-  train.add_argument("--epochs", type=float, default=10.0)
+  train.add_argument("--epochs", type=float, default=10.0,
+                     help="length of the run in passes over the training set: "
+                     "about epochs/q releases of Poisson-sampled batches")
   train.add_argument("--lr", dest="learning_rate", type=float, default=None,
                      help="peak learning rate (default: the optimizer's paper preset)")
   _add_clipping_arguments(train)
@@ -117,7 +142,9 @@ def _add_train(sub) -> None:
   train.add_argument("--seed", type=int, default=None,
                      help="makes noise and sampling reproducible (recorded as seeded); "
                      "default: OS entropy")
-  train.add_argument("--output-dir", default="runs/dpmuon")
+  train.add_argument("--output-dir", default="runs/dpmuon",
+                     help="the run's folder: results.json, history.csv, curves.png, export/ "
+                     "(public), and the secret checkpoints and release journal")
   train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   train.add_argument("--augment", action="store_true", help="random crop and flip per example")
   train.add_argument("--max-steps", type=_positive_int, default=None,
@@ -126,7 +153,9 @@ def _add_train(sub) -> None:
                      help="log clip fraction and gradient norms (NON-private statistics)")
   train.add_argument("--log-dir", default=None, help="also write the metrics as TensorBoard "
                      "event files here (the 'tensorboard' extra; view: tensorboard --logdir DIR)")
-  train.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+  train.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                     help="dp-accounting's Rényi-DP (rdp) or privacy-loss-distribution (pld, "
+                     "tighter, slower) accountant")
   train.add_argument("--init-weights", default=None,
                      help="public pretrained weights (flax.serialization msgpack of the params "
                      "dict) to fine-tune from; default: from scratch")
@@ -137,8 +166,10 @@ def _add_train(sub) -> None:
                      help="exact discrete Gaussian noise on an integer grid of the clipped sum, "
                      "from OS entropy: resists floating-point attacks; one device; see "
                      "docs/sharp-edges.md")
-  train.add_argument("--no-progress", dest="progress", action="store_false")
-  train.add_argument("--no-plot", dest="plot", action="store_false")
+  train.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar (the final line is still printed)")
+  train.add_argument("--no-plot", dest="plot", action="store_false",
+                     help="do not draw curves.png (no matplotlib needed)")
 
 
 _DISTRIBUTED = ("coordinator_address", "num_processes", "process_id", "distributed",
@@ -180,18 +211,31 @@ def _add_account(sub) -> None:
   account = sub.add_parser(
       "account",
       help="σ from ε, ε from σ, or a table of σ across batch sizes",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      description="Privacy accounting of T Poisson-sampled Gaussian releases, without "
+      "training: the noise multiplier σ that reaches a target ε (--epsilon), the ε that a "
+      "given σ spends (--sigma), both with --sampling-rate q and --steps T; or a table of σ, "
+      "q and T across expected batch sizes B at a fixed number of epochs (--batch-sizes, "
+      "with --epsilon, --dataset-size N and --epochs: q = B/N, T = epochs/q). Prints JSON "
+      "(or the table).",
+      formatter_class=HelpFormatter,
   )
-  account.add_argument("--epsilon", type=float, default=None)
-  account.add_argument("--sigma", type=float, default=None, help="noise multiplier σ")
-  account.add_argument("--delta", type=float, default=1e-5)
-  account.add_argument("--sampling-rate", type=float, default=None, help="q")
+  account.add_argument("--epsilon", type=float, default=None,
+                       help="target ε: print the σ that reaches it")
+  account.add_argument("--sigma", type=float, default=None,
+                       help="noise multiplier σ: print the ε it spends")
+  account.add_argument("--delta", type=float, default=1e-5, help="target δ")
+  account.add_argument("--sampling-rate", type=float, default=None,
+                       help="Poisson sampling rate q = B/N")
   account.add_argument("--steps", type=int, default=None, help="T, the number of releases")
-  account.add_argument("--dataset-size", type=int, default=None)
-  account.add_argument("--epochs", type=float, default=None)
+  account.add_argument("--dataset-size", type=int, default=None,
+                       help="N, the number of training examples (for --batch-sizes)")
+  account.add_argument("--epochs", type=float, default=None,
+                       help="passes over the data, T = epochs/q (for --batch-sizes)")
   account.add_argument("--batch-sizes", default=None,
                        help="comma-separated expected batch sizes for a σ table")
-  account.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+  account.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                       help="dp-accounting's Rényi-DP (rdp) or privacy-loss-distribution "
+                       "(pld) accountant")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -214,7 +258,9 @@ def _train(args: argparse.Namespace) -> int:
       f"(best {results['best_test_accuracy']:.4f}); "
       f"ε = {results['epsilon_spent']:.3f} at δ = {results['delta']:g} "
       f"after {results['releases']} releases (σ = {results['noise_multiplier']:.4f}, "
-      f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json",
+      f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json, "
+      f"the publishable model and its privacy certificate in "
+      f"{os.path.join(args.output_dir, results['export'])}/",
       flush=True,
   )
   return 0
@@ -276,26 +322,28 @@ def _account(args: argparse.Namespace) -> int:
 
 
 def _add_run_arguments(parser, epochs: float, batch_size: int, output_dir: str) -> None:
-  """The trainer flags ``dpmuon tune`` and ``dpmuon compare`` share (small defaults)."""
+  """The trainer flags ``dpmuon tune`` and ``dpmuon compare`` share (fewer epochs than
+  ``dpmuon train``; the same batch size)."""
   from dpmuon_jax.models.registry import MODEL_NAMES
 
-  parser.add_argument("--model", default="cnn", choices=MODEL_NAMES)
+  parser.add_argument("--model", default="cnn", choices=MODEL_NAMES, help="as for dpmuon train")
   parser.add_argument("--dataset", default="digits",
                       help="'digits' (embedded), a TFDS name, or an .npz path (as dpmuon train)")
   parser.add_argument("--data-dir", default=None, help="TFDS data directory")
   parser.add_argument("--epsilon", type=float, default=4.0,
                       help="target ε (tune: of the whole search; compare: of each run)")
-  parser.add_argument("--delta", type=float, default=1e-5)
+  parser.add_argument("--delta", type=float, default=1e-5, help="target δ")
   parser.add_argument("--batch-size", type=_positive_int, default=batch_size,
                       help="expected batch size qN of Poisson sampling")
-  parser.add_argument("--epochs", type=float, default=epochs)
+  parser.add_argument("--epochs", type=float, default=epochs, help="passes over the data, per run")
   parser.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C")
-  parser.add_argument("--microbatch-size", type=_positive_int, default=None)
+  parser.add_argument("--microbatch-size", type=_positive_int, default=None,
+                      help="as for dpmuon train")
   parser.add_argument("--clipped-sum-method", choices=("vmap", "ghost", "automatic"),
                       default="vmap", help="as for dpmuon train")
   parser.add_argument("--max-steps", type=_positive_int, default=None,
                       help="stop each run after this many steps (smoke runs)")
-  parser.add_argument("--output-dir", default=output_dir)
+  parser.add_argument("--output-dir", default=output_dir, help="where the runs and summary go")
 
 
 def _add_tune(sub) -> None:
@@ -310,10 +358,11 @@ def _add_tune(sub) -> None:
       "validation part held out from the training split; only the best run is kept. σ is "
       "calibrated so that the WHOLE procedure spends at most --epsilon. K, the other runs and "
       "their scores stay secret (they are not printed without --show-all-runs).",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      formatter_class=HelpFormatter,
   )
-  tune.add_argument("--optimizer", default="dp_muon", choices=list(OPTIMIZERS))
-  _add_run_arguments(tune, epochs=2.0, batch_size=128, output_dir="runs/tune")
+  tune.add_argument("--optimizer", default="dp_muon", choices=list(OPTIMIZERS),
+                    help="a registered optimizer (dpmuon train --help lists them)")
+  _add_run_arguments(tune, epochs=2.0, batch_size=TRAIN_BATCH_SIZE, output_dir="runs/tune")
   tune.add_argument("--lr-center", type=float, default=None,
                     help="centre of the grid (default: the optimizer's preset learning rate)")
   tune.add_argument("--grid-size", type=_positive_int, default=3,
@@ -347,13 +396,13 @@ def _add_compare(sub) -> None:
       "is given) at the same (ε, δ) and data; print a table and plot test accuracy per "
       "epoch. Each run is (ε, δ)-DP on its own; all of them published together compose "
       "(the combined ε is printed too).",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      formatter_class=HelpFormatter,
   )
   compare.add_argument("--optimizers", default="dp_sgd,dp_muon",
                        help="comma-separated registered optimizer names")
   compare.add_argument("--learning-rates", default=None,
                        help="comma-separated, one per optimizer (default: their presets)")
-  _add_run_arguments(compare, epochs=3.0, batch_size=128, output_dir="runs/compare")
+  _add_run_arguments(compare, epochs=3.0, batch_size=TRAIN_BATCH_SIZE, output_dir="runs/compare")
   compare.add_argument("--seed", type=int, default=None,
                        help="reproducible runs (recorded as seeded; each optimizer's run "
                        "derives its own streams from it); default: OS entropy")

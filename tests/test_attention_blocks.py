@@ -197,7 +197,9 @@ def test_dp_muon_s_refuses_attention_blocks_in_one_line():
     dp_muon_s(0.3, 1.0, 1.0, 8.0, jax.random.key(0), attention_blocks="fused")
 
 
-@pytest.mark.parametrize("choice", ["fused", "heads"])
+# "heads" is a slow variant: per-head blocks are pinned fast by
+# test_heads_orthogonalises_each_heads_columns, the bias correction's use of them by "fused".
+@pytest.mark.parametrize("choice", ["fused", pytest.param("heads", marks=pytest.mark.slow)])
 def test_bias_correction_sees_the_same_blocks(updates, choice):
   """With s₀ = 0, 2F(M) − F(M + 0·Z) = F(M): DP-Muon-BC's step is the blocked NS step."""
   kwargs = {"attention_heads": H} if choice == "heads" else {}
@@ -225,6 +227,9 @@ def _private_step_outputs(choice):
   return params, state, out
 
 
+# Slow, end to end; pinned fast by the transform tests above (each choice's blocks, split
+# bit-identical to per leaf) and by test_options_reach_muon_through_every_paper2_optimizer.
+@pytest.mark.slow
 def test_private_step_runs_with_each_choice_and_only_the_attention_differs():
   runs = {choice: _private_step_outputs(choice) for choice in ATTENTION_BLOCKS}
   params, state, split = runs["split"]

@@ -21,7 +21,57 @@ def test_train_on_the_embedded_default_writes_results(tmp_path, capsys):
   assert 0 < results["epsilon_spent"] < results["target_epsilon"]
   printed = capsys.readouterr().out
   assert "test accuracy" in printed and "ε =" in printed
+  final = printed.strip().splitlines()[-1]
+  assert f"{out}/results.json" in final and f"{out}/export/" in final
+  assert results["export"] == "export"  # relative to the run, so the folder can move
+  assert (out / "export" / "privacy_certificate.json").exists()
   assert (out / "history.csv").exists()
+
+
+def test_version(capsys):
+  import dpmuon_jax
+
+  with pytest.raises(SystemExit) as done:
+    main(["--version"])
+  assert done.value.code == 0
+  assert capsys.readouterr().out.strip() == f"dpmuon {dpmuon_jax.__version__}"
+
+
+def _subcommand_parsers():
+  import argparse
+
+  from dpmuon_jax.audit.run_audit import _parser as audit_parser
+  from dpmuon_jax.cli import _parser
+
+  top = _parser()
+  (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+  return top, {**sub.choices, "audit": audit_parser("dpmuon audit")}
+
+
+@pytest.mark.parametrize("command", ["train", "account", "audit", "tune", "compare"])
+def test_every_option_has_help_and_its_default_is_shown_once(command):
+  _, parsers = _subcommand_parsers()
+  parser = parsers[command]
+  assert parser.description, command
+  for action in parser._actions:
+    assert action.help, (command, action.option_strings)
+  text = parser.format_help()
+  assert f"usage: dpmuon {command} " in text
+  for marker in ("``", ":mod:", ":func:", ":class:"):  # reST is for the docs, not --help
+    assert marker not in text, (command, marker)
+  # One option per entry: "  --flag ..." up to the next one; its default at most once.
+  entries = [e for e in text.split("\n  -")[1:]]
+  assert len(entries) >= 8
+  for entry in entries:
+    assert entry.lower().count("default") <= 1, entry
+  if command in ("train", "tune", "compare"):  # one default batch size for every training
+    assert parser.get_default("batch_size") == 256
+
+
+def test_the_top_level_help_has_no_rest_markup():
+  top, _ = _subcommand_parsers()
+  text = top.format_help()
+  assert "``" not in text and ":mod:" not in text and "--version" in text
 
 
 def test_account_sigma_and_epsilon_round_trip(capsys):

@@ -67,6 +67,8 @@ def test_noiseless_disk_sgd_preset_on_a_linear_loss_steps_like_sgd():
 
 
 # ------------------------------------------------------------------ learning on the digits
+# Slow, end to end (two private runs of 117 releases): that the preset's η is on SGD's
+# scale is pinned fast by test_noiseless_disk_sgd_preset_on_a_linear_loss_steps_like_sgd.
 
 EPSILON, DELTA, BATCH, EPOCHS, SEED = 2.0, 1e-5, 128, 10.0, 0
 
@@ -96,6 +98,7 @@ def digits_accuracy():
   return {name: _train_digits(name) for name in ("dp_disk_sgd", "dp_sgd")}
 
 
+@pytest.mark.slow
 def test_disk_sgd_preset_learns_the_digits_at_small_epsilon(digits_accuracy):
   """117 releases at ε = 2 on 1,500 digits (297 test images; chance 0.10).
 
@@ -107,6 +110,7 @@ def test_disk_sgd_preset_learns_the_digits_at_small_epsilon(digits_accuracy):
   assert accuracy >= 0.45
 
 
+@pytest.mark.slow
 def test_disk_sgd_preset_is_comparable_to_dp_sgd_at_the_same_budget(digits_accuracy):
   """DP-SGD's preset (η = 0.3, momentum 0.9) gave 0.391, 0.431, 0.545 on seeds 0, 1, 2."""
   disk, _ = digits_accuracy["dp_disk_sgd"]

@@ -105,3 +105,12 @@ def test_every_module_is_documented(site):
       modules.add(name)
   missing = sorted(modules - documented - UNDOCUMENTED_MODULES)
   assert missing == [], f"add these modules to a page under docs/api/: {missing}"
+
+
+def test_docstrings_render_as_written(site):
+  """Equations are in ``::`` literal blocks in the docstrings themselves: no page has an
+  indented block rendered as a quotation, and the configuration rewrites no docstring."""
+  for path in [*(site / "api").glob("*.html"), *(site / "optimizers").glob("*.html")]:
+    assert "<blockquote>" not in path.read_text("utf-8"), path.name
+  assert "autodoc-process-docstring" not in (DOCS / "conf.py").read_text(encoding="utf-8")
+  assert "<pre>" in _page(site, "api/privacy.html")  # e.g. the release's equation

@@ -1,7 +1,11 @@
 """The README's Python examples run as written (scaled down where marked)."""
 
 import pathlib
+import pickle
 import re
+import subprocess
+import sys
+import tarfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,3 +57,54 @@ def test_the_names_the_readme_teaches_import_from_the_package():
   assert missing == []
   assert all(hasattr(dpmuon_jax, n) for n in dpmuon_jax.__all__)
   assert len(dpmuon_jax.__all__) < 80  # curated: tens of names, the rest in subpackages
+
+
+def _cifar_archive(path: pathlib.Path, rng) -> dict:
+  """A small stand-in for cifar-10-python.tar.gz: the same members and pickled layout."""
+  batches = {}
+  with tarfile.open(path, "w:gz") as tar:
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+      batch = {b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8),
+               b"labels": [int(v) for v in rng.integers(0, 10, 2)]}
+      batches[name] = batch
+      member = path.parent / name
+      member.write_bytes(pickle.dumps(batch))
+      tar.add(member, arcname=f"cifar-10-batches-py/{name}")
+  return batches
+
+
+def test_the_cifar10_npz_recipe_writes_what_the_loader_reads(tmp_path):
+  from dpmuon_jax.data.loaders import load_npz
+
+  (block,) = [b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+              if "cifar-10-python" in b]
+  code = block.split("<<'EOF'\n", 1)[1].rsplit("\nEOF", 1)[0]
+  url = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+  assert url in code
+  batches = _cifar_archive(tmp_path / "archive.tar.gz", np.random.default_rng(0))
+  (tmp_path / "DATA").mkdir()
+  subprocess.run([sys.executable, "-c", code.replace(url, (tmp_path / "archive.tar.gz").as_uri())],
+                 cwd=tmp_path, check=True, timeout=120)
+  data = load_npz(tmp_path / "DATA" / "cifar10.npz")
+  assert data.x_train.shape == (10, 32, 32, 3) and data.x_test.shape == (2, 32, 32, 3)
+  first = batches["data_batch_1"]
+  # Row-major planes R, G, B of 32x32 each, as the archive stores them, become NHWC pixels.
+  green = first[b"data"][0, 1024:2048].reshape(32, 32)
+  np.testing.assert_array_equal(data.x_train[0, :, :, 1], green)
+  assert list(data.y_train[:2]) == first[b"labels"]
+  assert list(data.y_test) == batches["test_batch"][b"labels"]
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_virtual_environment():
+  """The README's install and test commands, as CI runs them: from a new venv, so a test
+  that only passes outside one (e.g. one that relies on the base interpreter) fails CI."""
+  text = README.read_text()
+  (block,) = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "pytest" in b]
+  install, test = block.strip().splitlines()
+  assert install == 'pip install -e ".[dev]"' and test.startswith("python -m pytest -q")
+  ci = (README.parent / ".ci" / "run").read_text()
+  lines = [line.strip() for line in ci.splitlines()]
+  venv = lines.index('python3 -m venv "$venv"')
+  activate = lines.index('source "$venv/bin/activate"')
+  assert venv < activate < lines.index(f"python -m {install}") < lines.index(test)
+  assert "python -m pytest -q -m slow" in text and "python -m pytest -q -m slow" in lines

@@ -148,6 +148,6 @@ def test_the_trainer_runs_with_secure_noise_and_certifies_it(tmp_path, tiny_data
                        progress=False, plot=False, learning_rate=0.1, secure_noise=True)
   results = train(config, tiny_data)
   assert results["secure_noise"] and results["clipping"]["grid_bits"] == DEFAULT_GRID_BITS
-  certificate = load_exported(results["export"]).certificate
+  certificate = load_exported(str(tmp_path / "run" / results["export"])).certificate
   assert certificate["secure_noise"] is True
   assert certificate["releases"] == 2

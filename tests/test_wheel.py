@@ -1,10 +1,13 @@
 """The package a user installs: build the sdist and the wheel from it, install the wheel
 into a fresh virtual environment and run the ``dpmuon`` command from outside the checkout.
 
-The environment reuses the installed dependencies (``--system-site-packages``)
-but gets its own copy of ``dpmuon_jax`` from the wheel (``--no-deps
---force-reinstall``); the test checks that this copy, not the checkout, is
-the one imported.
+The environment reuses the dependencies installed for the interpreter running the tests:
+a ``.pth`` file lists the folders of that interpreter's import path, so this works whether it is
+a virtual environment, a conda environment or a system Python (``--system-site-packages``
+would expose the *base* interpreter's packages, not a virtual environment's). The
+environment gets its own copy of ``dpmuon_jax`` from the wheel (``--no-deps
+--force-reinstall``); the test checks that this copy, not the checkout nor an editable
+install, is the one imported.
 """
 
 import email
@@ -37,6 +40,13 @@ def _run(args, cwd, timeout=300) -> subprocess.CompletedProcess:
   return result
 
 
+def _import_folders() -> list[str]:
+  """The running interpreter's import path (its site-packages, wherever they are), less the
+  checkout and the current folder."""
+  folders = (pathlib.Path(f).resolve() for f in sys.path if f and os.path.isdir(f))
+  return list(dict.fromkeys(str(f) for f in folders if not f.is_relative_to(ROOT)))
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> pathlib.Path:
   """The sdist, and the wheel built from the unpacked sdist (so the sdist is complete)."""
@@ -51,10 +61,16 @@ def dist(tmp_path_factory) -> pathlib.Path:
 def venv(dist, tmp_path_factory) -> pathlib.Path:
   """A fresh environment with the wheel installed; returns its ``bin`` folder."""
   home = tmp_path_factory.mktemp("venv")
-  _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(home)],
-       cwd=home)
+  _run([sys.executable, "-m", "venv", "--without-pip", str(home)], cwd=home)
+  python = str(home / "bin" / "python")
+  purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                 cwd=home).stdout.strip()
+  # Plain folder lines: the folders go on sys.path after the environment's own, and their
+  # .pth files (an editable install's import hook among them) are not run.
+  (pathlib.Path(purelib) / "_test_dependencies.pth").write_text(
+      "".join(f"{folder}\n" for folder in _import_folders()))
   (wheel,) = dist.glob("*.whl")
-  _run([sys.executable, "-m", "pip", "--python", str(home / "bin" / "python"), "install",
+  _run([sys.executable, "-m", "pip", "--python", python, "install",
         "--no-deps", "--force-reinstall", "--no-index", "--quiet", str(wheel)], cwd=home)
   return home / "bin"
 
@@ -66,12 +82,16 @@ def test_the_wheel_ships_the_package_typed_and_nothing_else(dist):
     names = archive.namelist()
     metadata = email.message_from_bytes(
         archive.read(f"dpmuon_jax-{VERSION}.dist-info/METADATA"))
+    shipped_license = archive.read(f"dpmuon_jax-{VERSION}.dist-info/licenses/LICENSE")
   assert "dpmuon_jax/py.typed" in names
   assert "dpmuon_jax/training/trainer.py" in names
   tops = {name.split("/")[0] for name in names}
   assert tops == {"dpmuon_jax", f"dpmuon_jax-{VERSION}.dist-info"}, tops
   assert metadata["Version"] == VERSION
   assert metadata["License-Expression"] == "Apache-2.0"
+  assert metadata.get_all("License-File") == ["LICENSE"]
+  assert shipped_license == (ROOT / "LICENSE").read_bytes()
+  assert b"Apache License" in shipped_license and b"Version 2.0, January 2004" in shipped_license
   extras = metadata.get_all("Provides-Extra")
   assert {"train", "tensorboard"} <= set(extras)
 
@@ -81,7 +101,7 @@ def test_the_sdist_has_the_sources_the_wheel_was_built_from(dist):
   assert sdist.name == f"dpmuon_jax-{VERSION}.tar.gz"
   with tarfile.open(sdist) as archive:
     names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-  assert {"pyproject.toml", "README.md", "dpmuon_jax/py.typed",
+  assert {"pyproject.toml", "README.md", "LICENSE", "dpmuon_jax/py.typed",
           "dpmuon_jax/__init__.py"} <= names
 
 

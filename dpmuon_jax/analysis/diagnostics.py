@@ -3,7 +3,7 @@
 Paper 1 is "Spectral Gradient Orthogonalization Improves Differentially Private
 Training at Scale"; its recovery condition is in its "Loss & Training" section
 (see also docs/design.md, "Diagnostics"). For a layer viewed as an m × n
-matrix, the release's noise N has i.i.d. entries of std s₀ = σC/D, so
+matrix, the release's noise N has i.i.d. entries of std s₀ = σC/D, so ::
 
     ‖N‖₂ ≈ s₀(√m + √n) = σC(√m+√n)/D              (Vershynin 2012, Cor. 5.35)
     SNR  = (σ₁(G) − σ₂(G)) · D / (σC(√m+√n))       (paper 1, Prop. 1)

@@ -2,7 +2,7 @@
 
 Train n_in models with the canary and n_out without it, score each model, and
 call "in" when the score is ≥ a threshold τ. With FN of the "in" runs below τ
-and FP of the "out" runs at or above it, at confidence 1 − α:
+and FP of the "out" runs at or above it, at confidence 1 − α::
 
     FPR_ub = BetaInv(1 − α/2; FP + 1, n_out − FP)      (1 if FP = n_out)
     FNR_ub = BetaInv(1 − α/2; FN + 1, n_in − FN),   TPR_lb = 1 − FNR_ub

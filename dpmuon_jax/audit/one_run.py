@@ -3,7 +3,7 @@
 m canaries are each included with probability 1/2 (S_i = ±1); after ONE
 training run an attacker guesses "in" for the r highest-scoring canaries, v of
 them correctly. Under the null "the algorithm is (ε, δ)-DP" (the paper's
-Theorem 3.3):
+Theorem 3.3)::
 
     p_ε   = e^ε / (1 + e^ε)
     β     = P[Binomial(r, p_ε) ≥ v]

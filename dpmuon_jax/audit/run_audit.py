@@ -1,5 +1,7 @@
 """``python -m dpmuon_jax.audit.run_audit``: a one-run audit of DP-SGD on real data.
 
+::
+
     python -m dpmuon_jax.audit.run_audit                       # digits, white-box, ε = 2
     python -m dpmuon_jax.audit.run_audit --scoring black --canaries 1000
     python -m dpmuon_jax.audit.run_audit --noise-scale 0.5     # a broken release: σ/2
@@ -231,24 +233,45 @@ def audit(config: AuditConfig) -> dict:
   }
 
 
+_DESCRIPTION = """\
+One-run empirical privacy audit (Steinke, Nasr & Jagielski 2023) of DP-SGD on real data.
+
+Trains ONE small MLP with the library's private step (Poisson sampler, clipping, Gaussian
+release, SGD) on the training set plus the included canaries, scores the canaries and
+prints the audit's lower bound ε̂ next to the accountant's ε for the same (σ, q, T, δ).
+ε̂ > ε means the implementation leaks more than the accountant claims (at the chosen
+confidence). --noise-scale multiplies the σ of the release but not the σ given to the
+accountant, to show that the audit catches such a bug.
+"""
+
+
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
+  from dpmuon_jax.cli import HelpFormatter
+
   p = argparse.ArgumentParser(prog=prog or "python -m dpmuon_jax.audit.run_audit",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=_DESCRIPTION, formatter_class=HelpFormatter)
   d = AuditConfig()
-  p.add_argument("--scoring", choices=(WHITE_BOX, BLACK_BOX), default=d.scoring)
-  p.add_argument("--canaries", dest="num_canaries", type=int, default=d.num_canaries)
+  p.add_argument("--scoring", choices=(WHITE_BOX, BLACK_BOX), default=d.scoring,
+                 help="white: gradient canaries (C times a unit vector), scored by the "
+                 "parameters' move along their coordinate; black: input canaries with wrong "
+                 "labels, scored by the trained model's loss")
+  p.add_argument("--canaries", dest="num_canaries", type=int, default=d.num_canaries,
+                 help="m, the number of canaries (each included with probability 1/2)")
   p.add_argument("--epsilon", type=float, default=d.epsilon, help="ε the run is calibrated to")
-  p.add_argument("--delta", type=float, default=d.delta)
-  p.add_argument("--sampling-rate", type=float, default=d.sampling_rate)
-  p.add_argument("--steps", type=int, default=d.steps)
-  p.add_argument("--clip", type=float, default=d.clip)
-  p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate)
-  p.add_argument("--hidden", type=int, default=d.hidden)
+  p.add_argument("--delta", type=float, default=d.delta, help="δ of the run and of ε̂")
+  p.add_argument("--sampling-rate", type=float, default=d.sampling_rate,
+                 help="Poisson sampling rate q")
+  p.add_argument("--steps", type=int, default=d.steps, help="T, the number of releases")
+  p.add_argument("--clip", type=float, default=d.clip, help="per-example L2 clipping norm C")
+  p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate,
+                 help="SGD learning rate")
+  p.add_argument("--hidden", type=int, default=d.hidden, help="width of the MLP's hidden layer")
   p.add_argument("--noise-scale", type=float, default=d.noise_scale,
                  help="multiply the release's σ (not the accountant's): 0 or 0.5 simulate bugs")
-  p.add_argument("--significance", type=float, default=d.significance)
-  p.add_argument("--data", default=None, help="an .npz with x_train, y_train (e.g. MNIST)")
+  p.add_argument("--significance", type=float, default=d.significance,
+                 help="ε̂ holds with confidence 1 - significance")
+  p.add_argument("--data", default=None,
+                 help="an .npz with x_train, y_train, e.g. MNIST (default: the embedded digits)")
   p.add_argument("--seed", type=int, default=None, help="run seed (default: OS entropy)")
   p.add_argument("--audit-seed", dest="audit_seed", type=int, default=None,
                  help="canary seed, kept apart from the run's (default: OS entropy)")

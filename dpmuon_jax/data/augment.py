@@ -1,6 +1,6 @@
 """Per-example data augmentation on device: random crop and horizontal flip.
 
-For every example i of a batch, with its own key k_i:
+For every example i of a batch, with its own key k_i::
 
     x̃_i = flip_{b_i}(crop_{(u_i, v_i)}(pad_p(x_i))),
     (u_i, v_i) ~ Uniform{0..2p}²,  b_i ~ Bernoulli(½),

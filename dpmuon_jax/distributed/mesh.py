@@ -1,5 +1,7 @@
 """The data-parallel mesh of a private step (privacy invariants 2 and 4, docs/design.md).
 
+::
+
     ONE global Poisson draw ─► padded batch (capacity = k·n_devices) ─► rows sharded on 'data'
       ─► per device: Σ_{i ∈ shard} mask_i·clip_C(q_i) ─► psum ─► ONE Gaussian release
 

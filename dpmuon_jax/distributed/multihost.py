@@ -1,5 +1,7 @@
 """Several JAX processes, one data-parallel mesh (privacy invariants 2 and 4, docs/design.md).
 
+::
+
     process 0 ─┐                      ┌─ same root key (broadcast from process 0)
     process 1 ─┼─ jax.distributed ────┼─ same Poisson sample at every step
       …        │   initialize          ├─ each process feeds ONLY its devices' rows

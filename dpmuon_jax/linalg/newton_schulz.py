@@ -1,9 +1,11 @@
 """Quintic Newton–Schulz orthogonalisation (paper 1, §Method; docs/design.md "The optimizers").
 
+::
+
     X₀ = M / (s·‖M‖_F + ε),    X ← a X + b (X Xᵀ) X + c (X Xᵀ)² X    (K times)
 
 Each step applies the odd polynomial p(x) = a x + b x³ + c x⁵ to every
-singular value of X and keeps the singular vectors, so
+singular value of X and keeps the singular vectors, so ::
 
     NS_K(M) = U · p_K ∘ … ∘ p_1(Σ / (s·‖M‖_F + ε)) · Vᵀ    for M = U Σ Vᵀ.
 

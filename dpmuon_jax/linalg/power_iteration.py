@@ -1,7 +1,7 @@
 """σ₁ by warm-started power iteration (DP-Muon-S, paper 1 design 4).
 
 For a matrix X with rows ≤ cols (the wide orientation, as in Newton–Schulz)
-and a unit vector u on the short side,
+and a unit vector u on the short side, ::
 
     u ← X Xᵀ u / ‖X Xᵀ u‖    (k times),      σ̂₁ = ‖Xᵀ u‖ ≤ σ₁(X).
 

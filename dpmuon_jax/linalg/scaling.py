@@ -13,7 +13,7 @@ stacked layers with a leading batch axis) are described per leaf with Optax's
 :class:`optax.contrib.MuonDimensionNumbers`; axes named in neither field are
 batch axes, each batch entry being its own matrix.
 
-After Newton–Schulz the update is scaled by
+After Newton–Schulz the update is scaled by ::
 
     sqrt(min(r_max, max(1, fan_out / fan_in)))
 

@@ -1,5 +1,7 @@
 """The small benchmark CNN: 3 conv blocks 16/32/64 → dense 128 → ``head``.
 
+::
+
     x → [conv3×3 → GroupNorm? → act → maxpool2×2] × 3 → flatten → dense 128 → act → head
 
 About 156k parameters for 32×32×3 inputs (CIFAR-10), 98k for 28×28×1
@@ -81,6 +83,8 @@ def patch_conv(
     **unused_kwargs: Any,
 ) -> jax.Array:
   """Drop-in ``lax.conv_general_dilated`` (channels-last) as patches @ kernel.
+
+  ::
 
       y[n, p, o] = Σ_{t, c} x[n, s·p + t, c] · k[t, c, o]
                  = (patches(x) @ reshape(k, (|t|·C_in, C_out)))[n, p, o]

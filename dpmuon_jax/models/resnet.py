@@ -2,7 +2,7 @@
 
 He et al., "Deep Residual Learning for Image Recognition" (2016), with the
 CIFAR stem (one 3×3 convolution, stride 1, no max-pool) and GroupNorm (Wu &
-He, 2018) in place of BatchNorm, as in DP training (e.g. De et al., 2022):
+He, 2018) in place of BatchNorm, as in DP training (e.g. De et al., 2022)::
 
     x → conv3×3(w) → norm → relu → [BasicBlock]×2 per stage, widths
     w, 2w, 4w, 8w, strides 1, 2, 2, 2 → global average pool → head

@@ -2,7 +2,7 @@
 
 Dosovitskiy et al., "An Image is Worth 16x16 Words" (2021); ViT-Small
 (dim 384, 6 heads, 12 layers, MLP 4·dim) as in Touvron et al. (DeiT, 2021),
-with 4×4 patches for 32×32 images. Pre-norm blocks, no dropout:
+with 4×4 patches for 32×32 images. Pre-norm blocks, no dropout::
 
     z₀ = [cls_embed; patch_embed(patches(x))] + pos_embed
     z ← z + attn(norm1(z));  z ← z + mlp(norm2(z))        (depth times)

@@ -3,7 +3,7 @@
 Zagoruyko & Komodakis, "Wide Residual Networks" (2016), as used for DP
 training by De et al. (2022, "Unlocking High-Accuracy Differentially Private
 Image Classification through Scale"), with GroupNorm (16 groups) replacing
-BatchNorm. WRN-d-k has n = (d − 4) / 6 pre-activation blocks per stage:
+BatchNorm. WRN-d-k has n = (d − 4) / 6 pre-activation blocks per stage::
 
     x → conv3×3(16) → [Block]×n at widths 16k, 32k, 64k, strides 1, 2, 2
       → norm → relu → global average pool → head

@@ -1,5 +1,7 @@
 """DiSK and DOPPLER: a temporal filter on the release, then SGD or Muon.
 
+::
+
     G̃_t = (Σ_i clip_C(q_i) + N(0, σ²C² I)) / D        ONE release, whole tree
     F_t = filter(G̃_0 … G̃_t)                             DiSK Kalman / DOPPLER low-pass
     SGD:  θ ← θ − η F_t

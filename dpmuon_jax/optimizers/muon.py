@@ -1,5 +1,7 @@
 """Muon and Muon-S routed over the parameter tree, and DP-Muon, DP-Muon-S: the release, then them.
 
+::
+
     G̃_t = (Σ_i clip_C(q_i) + N(0, σ²C² I)) / D          ONE release, whole tree
     Muon group:      θ ← θ − η_t · (Ĝ_t + λ θ)            Ĝ_t from scale_by_muon(_s)
     fallback group:  θ ← θ − η′_t · (u_t + λ′ θ)          u_t: DP-SGD momentum or AdamW

@@ -1,5 +1,7 @@
 """Paper 2's optimizers: DP-Muon-IM, and the baselines DP-Muon-BC and DP-AdamBC.
 
+::
+
     DP-Muon-IM  query  q_i = Σ_k w_k ∇ℓ(θ_{t−k}; x_i)  (inner momentum), then DP-Muon
     DP-Muon-BC  release, heavy-ball M = βM + G̃, bias-corrected Newton–Schulz
     DP-AdamBC   release, Adam with the noise variance Φ = (σC/D)² removed from v̂

@@ -1,5 +1,7 @@
 """A private optimizer: ONE Gaussian release, then post-processing.
 
+::
+
     G̃_t = (Σ_i clip_C(q_i) + N(0, σ²C² I)) / D        the release, whole parameter tree
     u_t = post(G̃_t, state)                             post-processing, no privacy cost
 

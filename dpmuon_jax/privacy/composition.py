@@ -5,7 +5,7 @@ gradients at the current and recent states, q_i = Σ_k w_k ∇ℓ(θ_{t−k}; x_
 DiSK (Zhang et al., ICLR 2025, §3) replaces the gradient at θ_t by the
 two-point query c ∇ℓ(θ_t + γ d_t; x_i) + (1 − c) ∇ℓ(θ_t; x_i). Their joint
 query, the Kalman-filter + inner-momentum ablation of paper 2 (appendix C),
-substitutes DiSK's query for the current-state term of inner momentum:
+substitutes DiSK's query for the current-state term of inner momentum::
 
     q_i = w_0 [c ∇ℓ(θ_t + γ d_t; x_i) + (1 − c) ∇ℓ(θ_t; x_i)] + Σ_{k≥1} w_k ∇ℓ(θ_{t−k}; x_i)
 

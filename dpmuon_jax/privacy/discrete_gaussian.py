@@ -10,7 +10,7 @@ There Yet? Timing and Floating-Point Attacks on Differential Privacy
 Systems"). The secure release therefore keeps floating point out of the
 mechanism: each example's clipped vector is rounded to an integer grid, the
 rounded vectors are summed exactly in integers, and integer noise from the
-discrete Gaussian
+discrete Gaussian ::
 
     N_Z(0, σ²):   P[Y = y] = exp(−y²/(2σ²)) / Σ_{z ∈ Z} exp(−z²/(2σ²)),   y ∈ Z,
 
@@ -32,11 +32,11 @@ When a coordinate's noise is instead the sum of n independent N_Z(0, σ²)
 (e.g. shares drawn on n hosts), the sum is not a discrete Gaussian. Kairouz,
 Liu and Steinke 2021 ("The Distributed Discrete Gaussian Mechanism for
 Federated Learning with Secure Aggregation", below KLS) bound
-its RDP of order α, for σ ≥ ½, by min{αΔ₂²/(2nσ²) + τd, (α/2)(Δ₂/(√n σ) + τ√d)²}, with
+its RDP of order α, for σ ≥ ½, by min{αΔ₂²/(2nσ²) + τd, (α/2)(Δ₂/(√n σ) + τ√d)²}, with ::
 
     τ = 10 · Σ_{k=1}^{n−1} exp(−2π²σ² · k/(k+1)),
 
-so for α ≥ 1 it is at most αε²/2 (½ε²-concentrated DP) with
+so for α ≥ 1 it is at most αε²/2 (½ε²-concentrated DP) with ::
 
     ε = min{ sqrt(Δ₂²/(nσ²) + 2τd),  Δ₂/(√n σ) + τ√d },
 
@@ -225,7 +225,7 @@ def _geometric_exp1(count: int, random_bytes: RandomBytes) -> np.ndarray:
 
 
 def _discrete_laplace(count: int, t: int, random_bytes: RandomBytes) -> np.ndarray:
-  """Exact Lap_Z(t): P[Y = y] ∝ exp(−|y|/t), integer t ≥ 1 (CKS Algorithm 2 with s = 1).
+  """Exact Lap_Z(t): P[Y = y] ∝ exp(−abs(y)/t), integer t ≥ 1 (CKS Algorithm 2 with s = 1).
 
   U ~ Uniform{0, …, t−1}, accepted with probability exp(−U/t); V geometric as
   above; Y = ±(U + tV) with a fair sign, rejecting (−, 0). int64 unless a
@@ -254,16 +254,16 @@ def _discrete_laplace(count: int, t: int, random_bytes: RandomBytes) -> np.ndarr
 
 def _gaussian_accept(y: np.ndarray, sigma_squared: int, t: int,
                      random_bytes: RandomBytes) -> np.ndarray:
-  """Exact Bernoulli(exp(−γ)), γ = (|y| − σ²/t)²/(2σ²) = a²/(2σ²t²), a = |y|·t − σ².
+  """Exact Bernoulli(exp(−γ)), γ = (abs(y) − σ²/t)²/(2σ²) = a²/(2σ²t²), a = abs(y)·t − σ².
 
   The numerator a² overflows int64 for σ ≳ 2¹⁵, so γ is split without big
-  integers: with n₁ = ⌈|a|/σ²⌉ and n₂ = ⌈|a|/(2t²)⌉,
+  integers: with n₁ = ⌈abs(a)/σ²⌉ and n₂ = ⌈abs(a)/(2t²)⌉, ::
 
       γ / (n₁n₂) = (|a|/(σ²n₁)) · (|a|/(2t²n₂)),   both factors in [0, 1],
 
   and exp(−γ) = exp(−γ/(n₁n₂))^{n₁n₂}: the AND of n₁n₂ independent
   Bernoulli(exp(−γ/(n₁n₂))) (CKS Algorithm 1 on the product), evaluated
-  until the first failure. n₁n₂ = 1 for most candidates: those with |y| ≤ 2σ²/t ≈ 2σ.
+  until the first failure. n₁n₂ = 1 for most candidates: those with abs(y) ≤ 2σ²/t ≈ 2σ.
   """
   abs_y = np.abs(y)
   two_t2 = 2 * t * t
@@ -307,7 +307,7 @@ def sample_discrete_gaussian(shape: int | Sequence[int], sigma_squared: int,
   """Exact i.i.d. samples of the discrete Gaussian N_Z(0, σ²), from a byte source.
 
   CKS Algorithm 3: with t = ⌊σ⌋ + 1, draw Y ~ Lap_Z(t) (Algorithm 2) and
-  accept it with probability exp(−(|Y| − σ²/t)²/(2σ²)) (Algorithm 1); then
+  accept it with probability exp(−(abs(Y) − σ²/t)²/(2σ²)) (Algorithm 1); then ::
 
       P[Y = y] = exp(−y²/(2σ²)) / Σ_{z ∈ Z} exp(−z²/(2σ²)).
 
@@ -357,6 +357,8 @@ def sample_discrete_gaussian(shape: int | Sequence[int], sigma_squared: int,
 def discrete_gaussian_tau(sigma: float, num_summands: int) -> float:
   """Upper bound on KLS's τ for a sum of ``num_summands`` independent N_Z(0, σ²).
 
+  ::
+
       τ = 10 · Σ_{k=1}^{n−1} exp(−2π²σ² · k/(k+1))
 
   (Kairouz, Liu and Steinke 2021, "The Distributed Discrete Gaussian Mechanism
@@ -395,7 +397,7 @@ def discrete_gaussian_noise_multiplier(sigma: float, l2_sensitivity: float, dim:
   """Noise multiplier 1/ε to give a continuous-Gaussian RDP accountant.
 
   Adding to an integer-valued query of L2 sensitivity Δ₂ in Z^d the sum of n
-  independent N_Z(0, σ²) per coordinate satisfies ½ε²-concentrated DP with
+  independent N_Z(0, σ²) per coordinate satisfies ½ε²-concentrated DP with ::
 
       ε = min{ sqrt(Δ₂²/(nσ²) + 2τd),  Δ₂/(√n σ) + τ√d }
 

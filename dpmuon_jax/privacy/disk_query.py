@@ -1,5 +1,7 @@
 """DiSK's per-example query (Zhang et al., ICLR 2025, arXiv 2410.03883, §3).
 
+::
+
     q_i = c · ∇ℓ(θ_t + γ d_t; x_i) + (1−c) · ∇ℓ(θ_t; x_i),    c = (1−κ) / (κγ)
 
 d_t is the update applied at the previous step (d_0 = 0). This module holds

@@ -12,7 +12,7 @@ embedding lookup, tied head) report each use to the active *tape* with
 :func:`tap`: the tape records the input a and adds a zero perturbation z to the
 output y. The gradient of Σ_i ℓ_i w.r.t. z is every example's output gradient
 g = ∂ℓ_i/∂y (examples are independent). One use contributes the per-example
-gradient G = Σ_t a_t g_tᵀ = Aᵀ G_out (rows t = positions), and
+gradient G = Σ_t a_t g_tᵀ = Aᵀ G_out (rows t = positions), and ::
 
     ‖Aᵀ G_out‖_F² = Σ_{t,s} (a_t·a_s)(g_t·g_s)                  (the T×T Gram trick)
 
@@ -543,7 +543,7 @@ def ghost_query_sum(loss_fn: LossFn, terms: QueryTerms) -> Callable[..., Clipped
   same sum and sensitivity as ``clipped_sum(query, inputs, batch, mask,
   clipping, microbatch_size)`` for the query with these terms. q_i is
   clipped as ONE vector; for a dense use its norm has the cross terms
-  between states,
+  between states, ::
 
       ‖Σ_k w_k Σ_t a_{k,t} g_{k,t}ᵀ‖² = Σ_{k,l} w_k w_l Σ_{t,s} (a_{k,t}·a_{l,s})(g_{k,t}·g_{l,s}),
 

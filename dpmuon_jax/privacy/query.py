@@ -3,7 +3,7 @@
 A *query* maps shared, public inputs (usually the parameters θ_t; for DiSK or
 inner momentum also earlier or extrapolated states) and ONE example to a
 pytree q_i. The standard query is the gradient ∇ℓ(θ_t; x_i), computed for
-every example at once with ``vmap(grad)``. The clipped sum
+every example at once with ``vmap(grad)``. The clipped sum ::
 
     S = Σ_i mask_i · clip_C(q_i)
 

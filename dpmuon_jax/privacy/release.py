@@ -1,5 +1,7 @@
 """The Gaussian release as an Optax gradient transformation (docs/design.md, invariants 2–3).
 
+::
+
     G̃_t = ( Σ_i clip_C(q_i) + N(0, σ²C² I) ) / D
 
 * The noise has standard deviation σ·C on the SUM, independently per

@@ -5,7 +5,7 @@ probability q, so the realised batch size is Binomial(N, q), as the
 accountant's ``PoissonSampled(q, ·)`` event assumes. The draw is ONE global
 draw per step: it depends only on the sampling stream of the run's root key
 and on t, so every host derives the same sample and resuming at step t
-reproduces it. Concretely, the numpy generator of step t is
+reproduces it. Concretely, the numpy generator of step t is ::
 
     Generator(PCG64(SeedSequence(entropy=sampling_stream_words, spawn_key=(t,))))
 

@@ -2,7 +2,7 @@
 
 The analogue of Opacus' ``make_private_with_epsilon`` and jax_privacy's
 execution plan: from (ε, δ, N, expected batch size, epochs or steps, C) it
-derives
+derives ::
 
     q = B/N,   T = steps or round(epochs/q),   σ = calibrate(ε, δ, q, T),   D = qN
 

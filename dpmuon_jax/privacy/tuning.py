@@ -9,13 +9,13 @@ that does not look at the data, and outputs ONLY the run with the best score.
 If Q is (λ, ε(λ))-RDP at every order λ, A is (λ, ε'(λ))-RDP with
 
 * K ~ the truncated negative binomial D_{η,γ} (the paper's main result for it,
-  Theorem 2 of arXiv v2, the number dp-accounting's implementation also cites):
+  Theorem 2 of arXiv v2, the number dp-accounting's implementation also cites)::
 
       ε'(λ) = ε(λ) + (1+η)·min_{λ̂≥1} [(1 − 1/λ̂)·ε(λ̂) + log(1/γ)/λ̂] + log E[K]/(λ − 1),
 
   for η ∈ (−1, ∞), γ ∈ (0, 1); η = 0 is the logarithmic distribution, η = 1
   the geometric one;
-* K ~ Poisson(μ) (its result for the Poisson distribution, Theorem 6 of arXiv v2):
+* K ~ Poisson(μ) (its result for the Poisson distribution, Theorem 6 of arXiv v2)::
 
       ε'(λ) = ε(λ) + μ·δ̂(λ) + log μ/(λ − 1),
 
@@ -68,6 +68,8 @@ from dpmuon_jax.privacy.accounting import (
 
 class TruncatedNegativeBinomial(NamedTuple):
   """K ~ D_{η,γ} on {1, 2, ...} (the paper's Definition 1).
+
+  ::
 
       P[K = k] = (1−γ)^k / (γ^{−η} − 1) · ∏_{l=0}^{k−1} (l + η)/(l + 1)   (η ≠ 0),
       P[K = k] = (1−γ)^k / (k·log(1/γ))                               (η = 0),

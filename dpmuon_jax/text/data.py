@@ -2,7 +2,7 @@
 
 Each training example is one (source, target) pair; Li et al. (2021,
 "Large Language Models Can Be Strong Differentially Private Learners"),
-following Li & Liang (2021, Prefix-Tuning), feed GPT-2
+following Li & Liang (2021, Prefix-Tuning), feed GPT-2 ::
 
     " {source} <|endoftext|> {target} <|endoftext|>"
 

@@ -1,7 +1,7 @@
 """GPT-2 (Radford et al., 2019) in Flax NNX, and its per-example causal LM loss.
 
 Pre-norm decoder blocks with learned positions and a head tied to the token
-embedding, as in Hugging Face's ``GPT2LMHeadModel``:
+embedding, as in Hugging Face's ``GPT2LMHeadModel``::
 
     h₀ = token_embed[x] + pos_embed[0..T−1]
     h ← h + attn(norm1(h));  h ← h + mlp(norm2(h))       (num_layers times)

@@ -1,7 +1,7 @@
 """Hugging Face ``gpt2`` checkpoints (safetensors) ↔ the parameters of :class:`GPT2`.
 
 Hugging Face stores GPT-2 as ``model.safetensors`` (+ ``config.json``) with
-tensor names (optionally prefixed ``transformer.``)
+tensor names (optionally prefixed ``transformer.``) ::
 
     wte.weight (V, d)   wpe.weight (P, d)   ln_f.{weight,bias}
     h.<i>.ln_1.{weight,bias}   h.<i>.attn.c_attn.{weight (d, 3d), bias (3d)}

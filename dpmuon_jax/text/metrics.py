@@ -8,7 +8,7 @@
 * **ROUGE-L, E2E**: the official scorer (e2e-metrics) runs the MS-COCO
   caption code: Stanford's PTB tokenizer (Java; lower-cases and drops
   punctuation tokens), then ``pycocoevalcap``'s ``Rouge``: per source
-  P = max_r LCS/|h|, R = max_r LCS/|r| over references r, and
+  P = max_r LCS/len(h), R = max_r LCS/len(r) over references r, and
   F = (1 + β²)PR / (R + β²P) with β = 1.2, averaged over sources. ROUGE-L
   itself is pure Python and used as is; the tokenizer needs ``java``.
   ``rouge-score`` does not match it (0.6904 vs 0.7011 on a TGen output).

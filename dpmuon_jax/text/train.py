@@ -5,7 +5,7 @@ each the sum of per-example queries (the gradient, or inner momentum's
 average over recent states) clipped at C plus N(0, σ²C²) noise, divided by
 the public denominator D (paper 2 uses D = 1025 on E2E, 1027 on DART, not
 qN), then the optimizer's post-processing with the ``paper2`` routing
-(hidden matrices on Muon; embeddings, tied head and 1-D leaves on AdamW):
+(hidden matrices on Muon; embeddings, tied head and 1-D leaves on AdamW)::
 
     q = 1/41, T = 410 (E2E) · q = 1/61, T = 610 (DART) · C = 1 · σ = calibrate(ε, δ, q, T)
 

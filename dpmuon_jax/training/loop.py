@@ -1,5 +1,7 @@
 """The one training loop: budget → sample → step → record, with hooks for the rest.
 
+::
+
     for each schedule step t:
       stop if one more release would exceed the budget (the ledger)
       before(t)                       e.g. journal the release, non-private probes

@@ -2,7 +2,7 @@
 
 The best of a random number K of private training runs (Papernot & Steinke,
 "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022; the
-bounds are in :mod:`dpmuon_jax.privacy.tuning`). Each run is
+bounds are in :mod:`dpmuon_jax.privacy.tuning`). Each run is ::
 
     lr ~ Uniform(grid) ─► train(lr, σ) on the training part ─► exported parameters
       ─► accuracy on the validation part + N(0, score_std²) ─► released score
@@ -148,7 +148,7 @@ def _train_fn(config: TrainConfig, train_part: ImageDataset,
         or results["noise_multiplier"] != plan.run.noise_multiplier
         or results["sampling_rate"] != plan.run.sampling_rate):
       raise RuntimeError(f"A tuning run released more than accounted for: {results}.")
-    params = load_exported(results["export"], like=model.params).params
+    params = load_exported(os.path.join(run_dir, results["export"]), like=model.params).params
     _, accuracy = evaluation_fn(model.apply, train_part.info, *validation)(params)
     return accuracy, {"dir": run_dir, "learning_rate": learning_rate, "results": results}
 

@@ -1,5 +1,7 @@
 """One jit-compiled private training step (docs/design.md, "One training step").
 
+::
+
     padded batch + mask ─► per-example query ─► clipped sum ─► release ─► optimizer
 
 The padded batch has a static shape (the sampler's capacity), so the step

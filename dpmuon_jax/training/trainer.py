@@ -1,6 +1,6 @@
 """The main job: train a Flax model privately to a target (ε, δ).
 
-Each step (docs/design.md, "One training step"):
+Each step (docs/design.md, "One training step")::
 
     Poisson(q) indices ─► padded batch + mask ─► augment (own key stream)
       ─► per-example gradients ─► clipped sum ─► ONE Gaussian release ─► optimizer
@@ -673,9 +673,9 @@ def _finish(config, run: _Run, ledger, history, state: LoopState, stop_reason, e
                     "test_accuracy": test_acc})
   results = _results(config, run.setup, ledger, history, stop_reason, elapsed,
                      state.step - start, run.steps_per_epoch, seeded)
-  results["export"] = os.path.abspath(os.path.join(config.output_dir, "export"))
+  results["export"] = "export"  # relative to the run's folder, which may be moved
   if is_primary():
-    results["export"] = export_run(config.output_dir)  # parameters + certificate, no secrets
+    export_run(config.output_dir)  # parameters + certificate, no secrets, in export/
     _write_outputs(config.output_dir, results, history, config.plot)
   sync("dpmuon train: outputs written")  # several processes: none returns before they exist
   return results

@@ -9,7 +9,7 @@ linear in the releases, so its noise N is Gaussian with a known per-entry
 variance s_t², but Newton–Schulz F is nonlinear:
 E[F(M + N)] = F(M) + (s_t²/2)·ΔF(M) + O(s_t⁴) (heat smoothing). Kim & Fan
 remove the leading term; their estimator was not available, so OUR estimator
-is the Richardson form
+is the Richardson form ::
 
     F_BC(M̃) = 2 F(M̃) − E_Z F(M̃ + s_t Z),    Z ~ N(0, I),
 
@@ -17,7 +17,7 @@ whose expectation is F(M) + O(s_t⁴). E_Z is estimated with ``num_samples``
 draws (antithetic pairs ±Z by default, which cancels the odd terms of the
 estimator's own noise) from the POST-PROCESSING key stream, never the noise
 stream. s_t is the EXACT noise std of the buffer F sees after t releases
-(M₀ = 0; w = 1 for the heavy-ball buffer M = βM + G̃, w = 1−β for the EMA):
+(M₀ = 0; w = 1 for the heavy-ball buffer M = βM + G̃, w = 1−β for the EMA)::
 
     M_t:  s_t² = s₀² w² Σ_{j<t} β^{2j} = s₀² w² (1 − β^{2t}) / (1 − β²)
     M̂_t = w G̃_t + β M_t (Nesterov):  s_t² = s₀² w² [(1+β)² + β⁴ Σ_{j<t−1} β^{2j}]

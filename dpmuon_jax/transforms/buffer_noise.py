@@ -54,7 +54,7 @@ def buffer_noise_factor(step, beta: float, buffer: str = EMA, nesterov: bool = T
   With w = 1−β (ema) or 1 (heavy-ball) and M₀ = 0, the output is
   a·G̃_t + b·M_{t−1} with (a, b) = (w, β), or (w(1+β), β²) with Nesterov, and
   Var M_{t−1} = w² s₀² (1 − β^{2(t−1)})/(1 − β²) since the release noises are
-  independent across steps. Hence, exactly at every step t ≥ 1,
+  independent across steps. Hence, exactly at every step t ≥ 1, ::
 
       factor_t² = a² + b² w² (1 − β^{2(t−1)}) / (1 − β²).
 

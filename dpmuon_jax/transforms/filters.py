@@ -9,7 +9,7 @@ DiSK (Zhang et al., ICLR 2025, arXiv 2410.03883, §3)::
     g_t = (1−κ) g_{t−1} + κ G̃_t,        g_0 = G̃_0            (:func:`kalman_filter`)
 
 Any κ in (0, 2] (the DiSK authors' code default κ = 1.5 extrapolates); outside
-it |1−κ| > 1 and g_t grows geometrically. DiSK also
+it abs(1−κ) > 1 and g_t grows geometrically. DiSK also
 changes the per-example query: it needs the update d_t applied at the previous
 step, which :func:`record_applied_update`, the LAST transform of the chain,
 keeps (see :mod:`dpmuon_jax.privacy.disk_query`).
@@ -89,7 +89,7 @@ def kalman_filter(kappa: float) -> optax.GradientTransformation:
   Returns:
     An ``optax.GradientTransformation``; outputs have the updates' dtypes.
 
-  Its gain at frequency ω is κ / |1 − (1−κ)e^{−iω}|: 1 at ω = 0, so a constant
+  Its gain at frequency ω is κ / abs(1 − (1−κ)e^{−iω}): 1 at ω = 0, so a constant
   input passes unchanged and a learning rate after it is on plain SGD's
   scale; κ/(2−κ) at ω = π. White release noise leaves with its variance
   multiplied by κ/(2−κ): 0.54 at κ = 0.7 (a low-pass), 3 at κ = 1.5, where

@@ -1,5 +1,7 @@
 """Muon's momentum on the release G̃_t, without bias correction (paper 1, design 1).
 
+::
+
     ``buffer="ema"``        M_t = β M_{t−1} + (1−β) G̃_t
     ``buffer="heavy_ball"`` M_t = β M_{t−1} + G̃_t
     output                  M_t, or with Nesterov look-ahead

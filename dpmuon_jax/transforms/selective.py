@@ -6,7 +6,7 @@ Training at Scale"; this is a direction its "Limitations & Future Work" names.
 Paper 1's Prop. 1 says orthogonalisation helps a layer only above the recovery
 threshold σ₁(G) − σ₂(G) > ‖N‖₂ ≈ s(√m+√n). This transform decides, for every
 matrix at every step, FROM THE MATRIX IT IS GIVEN ALONE (post-processing of the
-release: no privacy cost, no probe data), whether to orthogonalise it:
+release: no privacy cost, no probe data), whether to orthogonalise it::
 
     s_t  = noise_std · buffer.factor(t)        (known noise std of the input)
     edge = s_t (√m + √n)

@@ -208,7 +208,7 @@ def scale_by_singular_value_shrinkage(
   """Gavish–Donoho thresholding/shrinkage as a spectral step.
 
   For every (rank ≥ 2) leaf U, viewed as fan_in × fan_out matrices, at step t
-  (1-based):
+  (1-based)::
 
       s_t = noise_std · buffer.factor(t),       Ĝ = a · U_U f(Σ_U) V_Uᵀ
 
