@@ -361,6 +361,7 @@ def dp_release(
       # Without noise there is no key to protect. Several processes: a host callback would
       # run in one of them only; there the trainer's release journal guards the keys.
       if spec.noise_multiplier > 0 and jax.process_count() == 1:
+        assert clipped.seal is not None  # the library seals every sum it makes
         fresh = key_uses.check(state.noise_key, state.count, clipped.seal)
         released = jax.tree.map(lambda x: jnp.where(fresh, x, jnp.nan), released)
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
@@ -442,13 +443,17 @@ def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
   intact = clipped.seal_holds()
   norm, bound = clipped.norm_and_bound()
   within = norm <= bound
-  if not isinstance(intact, jax.core.Tracer) and not isinstance(within, jax.core.Tracer):
-    if not bool(intact):
+  try:
+    concrete = bool(intact), bool(within)
+  except jax.errors.ConcretizationTypeError:  # traced under jit
+    concrete = None
+  if concrete is not None:
+    if not concrete[0]:
       raise ValueError(
           "The ClippedSum was changed after clipping (its seal does not match its total): "
           "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
           "disjoint examples with a.add_disjoint(b).")
-    if not bool(within):
+    if not concrete[1]:
       raise ValueError(
           f"The ClippedSum's norm {float(norm):.6g} exceeds num_examples x bound = "
           f"{float(bound):.6g}: it is not a sum of {float(clipped.stats.num_examples):g} "

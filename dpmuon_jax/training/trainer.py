@@ -559,6 +559,7 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   ledger = _resumed_ledger(run, metadata)
   finished = metadata is not None and metadata.get("stop_reason") in _FINISHED
   if finished and _outputs_written(config.output_dir):
+    assert metadata is not None
     return _finished(config, metadata)
   params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
   if finished:  # stopped after its final checkpoint, before its outputs: write them now
