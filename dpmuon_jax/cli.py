@@ -136,17 +136,24 @@ def _add_train(sub) -> None:
   train.add_argument("--lr", dest="learning_rate", type=float, default=None,
                      help="peak learning rate (default: the optimizer's paper preset)")
   _add_clipping_arguments(train)
+  train.add_argument("--augment", action="store_true", help="random crop and flip per example")
   train.add_argument("--noise-multiplier", type=float, default=None,
                      help="fix σ instead of calibrating it; the run stops before ε "
                      "would exceed --epsilon")
   train.add_argument("--seed", type=int, default=None,
                      help="makes noise and sampling reproducible (recorded as seeded); "
                      "default: OS entropy")
+  _add_train_outputs(train)
+
+
+def _add_train_outputs(train) -> None:
+  """Where a run writes, how it resumes and what it shows and logs."""
   train.add_argument("--output-dir", default="runs/dpmuon",
                      help="the run's folder: results.json, history.csv, curves.png, export/ "
                      "(public), and the secret checkpoints and release journal")
-  train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-  train.add_argument("--augment", action="store_true", help="random crop and flip per example")
+  train.add_argument("--resume", action="store_true",
+                     help="continue (or finish) the run in --output-dir from its latest "
+                     "checkpoint, with its recorded settings unless given again")
   train.add_argument("--max-steps", type=_positive_int, default=None,
                      help="stop after this many steps (smoke runs)")
   train.add_argument("--log-clip-stats", action="store_true",

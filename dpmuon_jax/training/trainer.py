@@ -378,9 +378,18 @@ def _outputs_written(output_dir: str) -> bool:
   return os.path.exists(os.path.join(output_dir, RESULTS_NAME))
 
 
-def _finished(config: TrainConfig, metadata: dict) -> dict:
-  """The results of a run that already ended (completed or stopped by its budget)."""
-  ledger = PrivacyLedger.from_json(metadata["ledger"])
+def _finished(config: TrainConfig, run: _Run, ledger: PrivacyLedger, root: RootKey,
+              ckpt_dir: str, metadata: dict, resume_step: int | None) -> dict:
+  """The results of a run that already ended (completed or stopped by its budget).
+
+  A run stopped after its final checkpoint but before its outputs writes them now,
+  from that checkpoint, without another release.
+  """
+  if not _outputs_written(config.output_dir):
+    params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
+    state = LoopState(params, opt_state, start, metadata["key_index"])
+    return _finish(config, run, ledger, history, state, metadata["stop_reason"], 0.0, start,
+                   root.seeded)
   print(
       f"The run in {config.output_dir} already finished ({metadata['stop_reason']}) after "
       f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
@@ -557,16 +566,9 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
   run = _build_run(config, data, root)
   ledger = _resumed_ledger(run, metadata)
-  finished = metadata is not None and metadata.get("stop_reason") in _FINISHED
-  if finished and _outputs_written(config.output_dir):
-    assert metadata is not None
-    return _finished(config, metadata)
+  if metadata is not None and metadata.get("stop_reason") in _FINISHED:
+    return _finished(config, run, ledger, root, ckpt_dir, metadata, resume_step)
   params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
-  if finished:  # stopped after its final checkpoint, before its outputs: write them now
-    assert metadata is not None
-    state = LoopState(params, opt_state, start, metadata["key_index"])
-    return _finish(config, run, ledger, history, state, metadata["stop_reason"], 0.0, start,
-                   root.seeded)
   fingerprint = run_fingerprint(config, data)
   plan = _plan_keys(config, run, ledger, journal_path, fingerprint, start, metadata, root)
   check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
