@@ -109,6 +109,10 @@ def _add_train(sub) -> None:
   train.add_argument("--epochs", type=float, default=10.0)
   train.add_argument("--lr", dest="learning_rate", type=float, default=None,
                      help="peak learning rate (default: the optimizer's paper preset)")
+  train.add_argument("--fallback-lr", dest="fallback_learning_rate", type=float, default=None,
+                     help="Muon family: peak learning rate of the group Muon does not take "
+                     "(biases, norm scales), on the same schedule (default: the preset's, "
+                     "DP-SGD's rate)")
   _add_clipping_arguments(train)
   train.add_argument("--noise-multiplier", type=float, default=None,
                      help="fix σ instead of calibrating it; the run stops before ε "
