@@ -65,11 +65,16 @@ DISK_DEFAULT_KAPPA = 0.7
 
 
 def _ablation_arm(optimizer: str, b: int, priority: int, **kw) -> Arm:
-  """One arm; a Muon-family arm's 1-D group runs DP-SGD's rate chosen at the same B and length."""
+  """One arm; a Muon-family arm's 1-D group runs its SGD row's chosen rate (same B and length).
+
+  That row is DP-SGD (paper 1: "standard DP-SGD with momentum is retained for 1D
+  parameters"), except for DOPPLER-Muon, whose 1-D group is DOPPLER-SGD (its preset).
+  """
   label = kw.get("label", "main")
   source = None
   if optimizer in MUON_FAMILY:
-    source = Arm("dp_sgd", b, 0.0, label=label).name
+    row = "dp_doppler_sgd" if optimizer == "dp_doppler_muon" else "dp_sgd"
+    source = Arm(row, b, 0.0, label=label).name
   return Arm(optimizer, b, _center(optimizer), fallback_lr_from=source, priority=priority, **kw)
 
 

@@ -212,11 +212,12 @@ def test_paper1_ablation_study_is_designed_as_its_readme_says():
       assert any(a.optimizer == optimizer and a.batch_size == b and a.label == "main"
                  for a in study.arms), (optimizer, b)
   assert {"dp_sgd_B2048", "dp_muon_B2048"} <= set(names)
-  for arm in study.arms:  # every Muon-family arm's 1-D group runs DP-SGD's choice
+  for arm in study.arms:  # every Muon-family arm's 1-D group runs its SGD row's choice
     if "muon" in arm.optimizer:
       source = names[arm.fallback_lr_from]
+      row = "dp_doppler_sgd" if arm.optimizer == "dp_doppler_muon" else "dp_sgd"
       assert (source.optimizer, source.batch_size, source.label) == (
-          "dp_sgd", arm.batch_size, arm.label)
+          row, arm.batch_size, arm.label)
   kappas = {dict(a.options)["kappa"] for a in study.arms if a.optimizer == "dp_disk_sgd"
             and a.batch_size == 4096}
   assert kappas == {0.5, 0.7, 1.0}

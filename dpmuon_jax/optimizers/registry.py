@@ -92,16 +92,26 @@ _MOMENTUM = {"momentum": 0.9}
 _DP_SGD = {CIFAR10: 0.3, CIFAR100: 1.0, VIT_SMALL: 0.01}  # DP-SGD's preset rates, below
 
 
+_DOPPLER_SGD = 3.0  # DOPPLER-SGD's CIFAR-10 rate (paper 1, Table 15)
+
+
 def _fallback(workload: str) -> dict[str, Fallback]:
   """Paper 1's 1-D group, "standard DP-SGD with momentum": DP-SGD's rate and β′ = 0.9.
 
   Paper 1 (§Method) retains DP-SGD with momentum for the parameters Muon does
   not take (biases, norm scales); so every Muon-family preset gives that group
-  the workload's DP-SGD learning rate (the run's schedule shape is applied to
-  it by the trainer) and DP-SGD's momentum, also where a filter replaces
-  Muon's momentum (DOPPLER-Muon).
+  the workload's DP-SGD learning rate (the trainer puts it on the run's
+  schedule) and DP-SGD's momentum. DOPPLER-Muon is the exception, see
+  :data:`_DOPPLER_FALLBACK`.
   """
   return {"fallback": Fallback(kind="sgd", learning_rate=_DP_SGD[workload], momentum=0.9)}
+
+
+# DOPPLER-Muon's low-pass output replaces all momentum ("EMA + UVᵀ", paper 1's Table 15), so
+# its 1-D group is DOPPLER-SGD on those leaves: no further momentum, DOPPLER-SGD's rate. (DP-SGD's
+# heavy ball after the EMA would cascade two β = 0.9 filters; without it, DP-SGD's rate would be
+# a 1/(1−β) = 10× shorter step.)
+_DOPPLER_FALLBACK = {"fallback": Fallback(kind="sgd", learning_rate=_DOPPLER_SGD, momentum=0.0)}
 
 
 # DiSK's (κ, γ), with their sources (DiSK: "Differentially Private Optimizer with Simplified
@@ -141,7 +151,7 @@ OPTIMIZERS: dict[str, Entry] = {
         "disk", {CIFAR10: Preset(1.0, _DISK)}),
     "dp_doppler_sgd": Entry(
         dp_doppler_sgd, "DOPPLER-SGD: bias-corrected EMA(0.9) low-pass (paper 1)",
-        presets={CIFAR10: Preset(3.0)}),
+        presets={CIFAR10: Preset(_DOPPLER_SGD)}),
     "dp_disk_muon": Entry(
         dp_disk_muon,
         "DiSK-Muon: Kalman filter feeding DP-Muon (paper 1; lr not printed, DP-Muon's)",
@@ -149,7 +159,7 @@ OPTIMIZERS: dict[str, Entry] = {
                  GPT2: Preset(0.002, _PAPER2)}),
     "dp_doppler_muon": Entry(
         dp_doppler_muon, "DOPPLER-Muon: EMA(0.9) replacing Muon's momentum, NS₅ (paper 1)",
-        presets={CIFAR10: Preset(0.02, _fallback(CIFAR10))}),
+        presets={CIFAR10: Preset(0.02, _DOPPLER_FALLBACK)}),
     "dp_muon_im": Entry(
         dp_muon_im, "DP-Muon-IM: inner-momentum query over K past states (paper 2)",
         "inner_momentum", {CIFAR10: Preset(0.02, {**_IM, **_fallback(CIFAR10)}),
