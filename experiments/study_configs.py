@@ -59,7 +59,8 @@ MUON_FAMILY = ("dp_muon", "dp_muon_s", "dp_disk_muon", "dp_doppler_muon")
 # κ = 1, no filter and the plain gradient query [1] (DiSK-SGD: DP-SGD without momentum;
 # DiSK-Muon: DP-Muon itself, so not run). Paper 1's κ = 1.5 [3] is the earlier study's.
 DISK_SETTINGS = {0.5: 0.8, 0.7: 0.5, 1.0: 0.5}
-DISK_KAPPAS = {"dp_disk_sgd": (0.5, 0.7, 1.0), "dp_disk_muon": (0.5, 0.7)}
+DISK_SGD_KAPPAS = (0.5, 0.7, 1.0)
+DISK_MUON_KAPPAS = (0.5, 0.7)
 DISK_KAPPA_BATCH_SIZES = (1024, 4096)  # κ selected here; B = 256 runs the DiSK default 0.7
 DISK_DEFAULT_KAPPA = 0.7
 
@@ -78,10 +79,10 @@ def _ablation_arm(optimizer: str, b: int, priority: int, **kw) -> Arm:
   return Arm(optimizer, b, _center(optimizer), fallback_lr_from=source, priority=priority, **kw)
 
 
-def _disk_arms(optimizer: str, priority: int) -> list[Arm]:
+def _disk_arms(optimizer: str, grid: tuple[float, ...], priority: int) -> list[Arm]:
   arms = []
   for b in ABLATION_BATCH_SIZES:
-    kappas = DISK_KAPPAS[optimizer] if b in DISK_KAPPA_BATCH_SIZES else (DISK_DEFAULT_KAPPA,)
+    kappas = grid if b in DISK_KAPPA_BATCH_SIZES else (DISK_DEFAULT_KAPPA,)
     for kappa in kappas:
       options = (("kappa", kappa), ("gamma", DISK_SETTINGS[kappa]))
       arms.append(_ablation_arm(optimizer, b, priority, epochs=EPOCHS, options=options,
@@ -98,7 +99,8 @@ def _ablation_arms() -> tuple[Arm, ...]:
             for b in ABLATION_BATCH_SIZES]
   fixed = [_ablation_arm(o, b, 2, releases=RELEASES, label=f"T{RELEASES}")
            for o in ("dp_sgd", "dp_muon") for b in DECISION_BATCH_SIZES if b != 4096]
-  disk = _disk_arms("dp_disk_sgd", 3) + _disk_arms("dp_disk_muon", 3)
+  disk = _disk_arms("dp_disk_sgd", DISK_SGD_KAPPAS, 3) + _disk_arms("dp_disk_muon",
+                                                                 DISK_MUON_KAPPAS, 3)
   return tuple(decision + others + fixed + disk)
 
 
