@@ -129,3 +129,13 @@ def test_secure_noise_with_ghost_clipping_is_refused_in_one_line(tmp_path, capsy
   assert code != 0
   err = capsys.readouterr().err
   assert "--clipped-sum-method vmap" in err and "Traceback" not in err
+
+
+def test_fallback_lr_reaches_the_train_config():
+  from dpmuon_jax.cli import _parser
+  from dpmuon_jax.training.trainer import TrainConfig
+
+  args = _parser().parse_args(["train", "--optimizer", "dp_muon", "--fallback-lr", "0.9"])
+  fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+  assert TrainConfig(**fields).fallback_learning_rate == 0.9
+  assert _parser().parse_args(["train"]).fallback_learning_rate is None  # the preset's
