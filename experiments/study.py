@@ -19,8 +19,8 @@ Two choices beyond the learning rate:
   rate scored best on validation trains the reported seeds;
 * an arm with ``fallback_lr_from`` (a Muon-family arm) gives the group Muon
   does not take (biases, norm scales) the rate chosen for that other arm
-  (DP-SGD at the same B: paper 1 keeps DP-SGD with momentum for the 1-D
-  parameters); it starts once that rate is chosen.
+  (e.g. DP-SGD's at the same B: paper 1 keeps DP-SGD with momentum for the
+  1-D parameters); it starts once that rate is chosen.
 
 The selection reads the validation split, which is part of the private
 training data: the per-run (ε, δ) of each row does NOT cover the search.
@@ -157,7 +157,7 @@ def reported_seeds(study: Study) -> tuple[int, ...]:
 
 
 def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], float | None]:
-  """(rates still to train at seed ``seeds[0]``, the chosen rate or ``None`` yet).
+  """(rates still to train at the selection seed, the chosen rate or ``None`` yet).
 
   The grid starts at offsets −(p−1)/2 … (p−1)/2 around ``lr_center``; while the
   best validation accuracy is at an edge it extends by one step on that side.
