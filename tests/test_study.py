@@ -282,3 +282,21 @@ def test_privately_tuned_arm_runs_one_selection_per_seed(tiny_npz, tmp_path):
   assert float(row["epsilon_spent"]) <= 4.0 + 1e-9  # the WHOLE selection's ε
   assert any(math.isclose(float(row["learning_rate"]), lr) for lr in (0.1 / 3, 0.1, 0.3))
   assert run_study(study, out, None, workers=1, max_steps=1) == [row]  # recorded: skipped
+
+
+def test_report_only_writes_the_report_of_the_runs_so_far_and_trains_nothing(
+    tiny_npz, tmp_path, monkeypatch):
+  from experiments import sweep
+
+  study = Study("tiny_report", "test", (ARM,), dataset=tiny_npz, validation_size=32,
+                seeds=(2,), selection_seed=1)
+  monkeypatch.setitem(sweep.STUDIES, study.name, study)
+  out = tmp_path / "out"
+  out.mkdir()
+  for row in _grid(ARM, 0.1):
+    append_row(str(out / "runs.csv"), row | {"optimizer": "dp_sgd", "batch_size": 32})
+  assert sweep.main([study.name, "--out", str(out), "--report-only"]) == 0
+  with open(out / "summary.csv") as f:
+    (summary,) = list(csv.DictReader(f))
+  assert summary["chosen_learning_rate"] == "0.1" and summary["seeds"] == "0"
+  assert not (out / "runs").exists()  # nothing trained
