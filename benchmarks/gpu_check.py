@@ -32,6 +32,7 @@ import numpy as np
 from dpmuon_jax.linalg.newton_schulz import newton_schulz, newton_schulz_polynomial
 from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.optimizers.muon import dp_muon
+from dpmuon_jax.privacy.clipping import flat_norm
 from dpmuon_jax.privacy.query import ClippedSum
 
 # Relative Frobenius error bounds against the float64 reference.
@@ -88,7 +89,9 @@ def check_update_ratio(params, repeats: int) -> None:
   keys = jax.random.split(jax.random.key(1), len(leaves))
   noise = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
   total = treedef.unflatten(noise)
-  clipped = ClippedSum.assume_clipped(total, 1.0)
+  # The fewest vectors of norm ≤ 1 whose sum can have this norm.
+  count = int(np.ceil(float(flat_norm(total))))
+  clipped = ClippedSum.assume_clipped(total, 1.0, num_examples=count)
   times = {}
   for name, opt in _optimizers(1024).items():
     update, state = jax.jit(opt.update), opt.init(params)

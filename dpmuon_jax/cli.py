@@ -11,7 +11,7 @@
         --batch-sizes 256,512,1024,2048,4096
     dpmuon audit --seed 1 --noise-scale 1.0      # one-run privacy audit
     dpmuon tune --optimizer dp_muon --epsilon 4  # private learning-rate selection, ε in total
-    dpmuon compare --optimizers dp_sgd,dp_muon --epsilon 4 --seed 0   # side by side, one plot
+    dpmuon compare --optimizers dp_sgd,dp_muon --epsilon 4   # side by side, one plot
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def _add_train(sub) -> None:
 
   train = sub.add_parser(
       "train",
+      allow_abbrev=False,  # --resume reuses every setting not written out in full
       help="train a model privately to a target (ε, δ)",
       description="Train an image classifier with a differentially private optimizer.",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -205,7 +206,12 @@ def _train(args: argparse.Namespace) -> int:
              cpu_collectives=args.cpu_collectives, autodetect=args.distributed)
   from dpmuon_jax.training.trainer import TrainConfig, train
 
-  fields = {k: v for k, v in vars(args).items() if k not in ("command", *_DISTRIBUTED)}
+  fields = {k: v for k, v in vars(args).items() if k not in ("command", "given", *_DISTRIBUTED)}
+  if args.resume:  # the run's own settings, unless the command line states them anew
+    from dpmuon_jax.training.trainer import recorded_config
+
+    recorded = recorded_config(args.output_dir) or {}
+    fields = {**fields, **{k: v for k, v in recorded.items() if k not in args.given}}
   results = train(TrainConfig(**fields))
   print(
       f"test accuracy {results['final_test_accuracy']:.4f} "
@@ -340,9 +346,9 @@ def _add_tune(sub) -> None:
 def _add_compare(sub) -> None:
   compare = sub.add_parser(
       "compare",
-      help="train several optimizers at one ε on the same data and seed; table and plot",
+      help="train several optimizers at one ε on the same data; table and plot",
       description="Train each optimizer once (its preset learning rate unless --learning-rates "
-      "is given) at the same (ε, δ), data and seed; print a table and plot test accuracy per "
+      "is given) at the same (ε, δ) and data; print a table and plot test accuracy per "
       "epoch. Each run is (ε, δ)-DP on its own; all of them published together compose "
       "(the combined ε is printed too).",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -352,8 +358,9 @@ def _add_compare(sub) -> None:
   compare.add_argument("--learning-rates", default=None,
                        help="comma-separated, one per optimizer (default: their presets)")
   _add_run_arguments(compare, epochs=3.0, batch_size=128, output_dir="runs/compare")
-  compare.add_argument("--seed", type=int, default=0,
-                       help="one seed for every run (recorded as seeded)")
+  compare.add_argument("--seed", type=int, default=None,
+                       help="reproducible runs (recorded as seeded; each optimizer's run "
+                       "derives its own streams from it); default: OS entropy")
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -437,6 +444,49 @@ def _compare(args: argparse.Namespace) -> int:
   return 0
 
 
+def _given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+  """The destinations of the options written out in ``argv`` (not left at their defaults)."""
+  command = parser.parse_known_args(argv)[0].command
+  subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  return {action.dest for action in subparsers.choices[command]._actions
+          for option in action.option_strings
+          if any(token == option or token.startswith(option + "=") for token in argv)}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+  """Refuses a NaN, infinite or out-of-range number of ``account``, ``tune`` or ``compare``.
+
+  Before any work, in one line that names the flag; ``train`` checks its own
+  numbers in its ``TrainConfig``.
+  """
+  from dpmuon_jax import checks
+
+  if args.command not in ("account", "tune", "compare"):
+    return
+  runs_low = 0.0 if getattr(args, "poisson", False) else 1.0  # Poisson(μ > 0); TNB: mean > 1
+  rules = {
+      "epsilon": checks.check_positive,
+      "sigma": checks.check_nonnegative,
+      "delta": lambda flag, v: checks.check_in_range(flag, v, 0.0, 1.0, False, False),
+      "sampling_rate": lambda flag, v: checks.check_in_range(flag, v, 0.0, 1.0, False, True),
+      "steps": checks.check_positive_int,
+      "dataset_size": checks.check_positive_int,
+      "epochs": checks.check_positive,
+      "clip": checks.check_positive,
+      "lr_center": checks.check_positive,
+      "expected_runs": lambda flag, v: checks.check_in_range(flag, v, runs_low,
+                                                             low_inclusive=False),
+      "eta": lambda flag, v: checks.check_in_range(flag, v, -1.0, low_inclusive=False),
+      "score_std": checks.check_positive,
+  }
+  for dest, check in rules.items():
+    if getattr(args, dest, None) is not None:
+      check("--" + dest.replace("_", "-"), getattr(args, dest))
+  if getattr(args, "learning_rates", None) is not None:
+    for rate in _floats(args.learning_rates, "--learning-rates"):
+      checks.check_positive("--learning-rates", rate)
+
+
 def main(argv: list[str] | None = None) -> int:
   from absl import logging as absl_logging
 
@@ -445,9 +495,12 @@ def main(argv: list[str] | None = None) -> int:
   if argv[:1] == ["audit"]:
     from dpmuon_jax.audit.run_audit import main as audit_main
 
-    return audit_main(argv[1:])
-  args = _parser().parse_args(argv)
+    return audit_main(argv[1:], prog="dpmuon audit")
+  parser = _parser()
+  args = parser.parse_args(argv)
+  args.given = _given_options(parser, argv)
   try:
+    _check_numbers(args)
     commands = {"train": _train, "export": _export, "account": _account, "tune": _tune,
                 "compare": _compare}
     return commands[args.command](args)

@@ -124,7 +124,7 @@ def test_dp_adam_bc_subtracts_the_release_noise_variance():
   c, sigma, d, lr = 2.0, 1.5, 40.0, 0.1
   rng = np.random.default_rng(3)
   total = {"w": jnp.asarray(rng.standard_normal(50) * 20, jnp.float32)}
-  clipped = ClippedSum.assume_clipped(total, c)
+  clipped = ClippedSum.assume_clipped(total, c, num_examples=100)  # ‖total‖ ≈ 141 ≤ 100c
   release = dp_release(c, sigma, d, key=11)
   released, _ = release.update(clipped, release.init(total), total)  # same key: same noise
   opt = dp_adam_bc(lr, c, sigma, d, key=11)

@@ -139,3 +139,89 @@ def test_fallback_lr_reaches_the_train_config():
   fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
   assert TrainConfig(**fields).fallback_learning_rate == 0.9
   assert _parser().parse_args(["train"]).fallback_learning_rate is None  # the preset's
+
+
+def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys):
+  out = str(tmp_path / "run")
+  first = ["train", "--max-steps", "2", "--seed", "1", "--batch-size", "64", "--epochs", "0.2",
+           "--output-dir", out, "--no-progress", "--no-plot"]
+  assert main(first) == 0
+  # No --epochs, --batch-size or --seed: the run's own are reused; it runs to its end.
+  assert main(["train", "--resume", "--output-dir", out, "--no-progress", "--no-plot"]) == 0
+  with open(os.path.join(out, "results.json")) as f:
+    results = json.load(f)
+  assert results["config"]["epochs"] == 0.2 and results["config"]["batch_size"] == 64
+  assert results["releases"] == results["planned_steps"] > 2
+  assert results["stop_reason"] == "completed"
+  # Stating another privacy setting anew is refused, in one line, without the old doubling.
+  capsys.readouterr()
+  assert main(["train", "--resume", "--epochs", "0.3", "--output-dir", out, "--no-progress",
+               "--no-plot"]) == 2
+  err = capsys.readouterr().err
+  assert "Refusing to resume: changed privacy configuration" in err
+  assert "Refusing to continue" not in err and len(err.strip().splitlines()) == 1
+
+
+_BAD_NUMBERS = [
+    (["audit", "--epsilon", "-1"], "--epsilon"),
+    (["audit", "--epsilon", "inf"], "--epsilon"),
+    (["audit", "--delta", "1"], "--delta"),
+    (["audit", "--sampling-rate", "2"], "--sampling-rate"),
+    (["audit", "--sampling-rate", "nan"], "--sampling-rate"),
+    (["audit", "--canaries", "0"], "--canaries"),
+    (["audit", "--canaries", "1"], "--canaries"),  # needs one included and one excluded
+    (["audit", "--steps", "0"], "--steps"),
+    (["audit", "--clip", "inf"], "--clip"),
+    (["audit", "--lr", "0"], "--lr"),  # the white-box residual divides by it
+    (["audit", "--hidden", "-1"], "--hidden"),
+    (["audit", "--noise-scale", "nan"], "--noise-scale"),
+    (["audit", "--significance", "1"], "--significance"),
+    (["account", "--epsilon", "4", "--dataset-size", "50000", "--batch-sizes", "512",
+      "--epochs", "inf"], "--epochs"),
+    (["account", "--epsilon", "4", "--dataset-size", "50000", "--batch-sizes", "512",
+      "--epochs", "nan"], "--epochs"),
+    (["account", "--epsilon", "4", "--dataset-size", "50000", "--batch-sizes", "512",
+      "--epochs", "0"], "--epochs"),
+    (["account", "--epsilon", "4", "--dataset-size", "50000", "--batch-sizes", "512",
+      "--epochs", "-5"], "--epochs"),
+    (["account", "--epsilon", "4", "--dataset-size", "0", "--batch-sizes", "512",
+      "--epochs", "2"], "--dataset-size"),
+    (["account", "--sigma", "inf", "--sampling-rate", "0.01", "--steps", "100"], "--sigma"),
+    (["account", "--sigma", "1", "--sampling-rate", "0.01", "--steps", "0"], "--steps"),
+    (["account", "--epsilon", "inf", "--sampling-rate", "0.01", "--steps", "100"], "--epsilon"),
+    (["account", "--epsilon", "2", "--delta", "1", "--sampling-rate", "0.01", "--steps", "100"],
+     "--delta"),
+    (["account", "--epsilon", "2", "--sampling-rate", "2", "--steps", "100"], "--sampling-rate"),
+    (["tune", "--lr-center", "0"], "--lr-center"),  # 0 silently meant the preset
+    (["tune", "--expected-runs", "1"], "--expected-runs"),
+    (["tune", "--poisson", "--expected-runs", "0"], "--expected-runs"),
+    (["tune", "--eta", "nan"], "--eta"),
+    (["tune", "--score-std", "0"], "--score-std"),
+    (["tune", "--epochs", "inf"], "--epochs"),
+    (["tune", "--learning-rates", "0.1,inf"], "--learning-rates"),
+    (["compare", "--epsilon", "inf"], "--epsilon"),
+    (["compare", "--delta", "nan"], "--delta"),
+    (["compare", "--clip", "0"], "--clip"),
+    (["compare", "--learning-rates", "nan,0.1"], "--learning-rates"),
+]
+
+
+@pytest.mark.parametrize("args, flag", _BAD_NUMBERS)
+def test_bad_numbers_exit_2_with_one_line_that_names_the_flag(args, flag, tmp_path, capsys):
+  """Refused before any work: nothing on stdout, one line on stderr, no traceback."""
+  if args[0] in ("tune", "compare"):
+    args = [*args, "--output-dir", str(tmp_path / "run"), "--max-steps", "1"]
+  assert main(args) == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+  assert captured.err.startswith(f"dpmuon {args[0]}: error: {flag} must be"), captured.err
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_audit_number_exits_2_in_a_real_process():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "dpmuon_jax.cli", "audit", "--canaries", "0"],
+                        capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 2
+  assert proc.stderr == "dpmuon audit: error: --canaries must be an int >= 2, got 0.\n"

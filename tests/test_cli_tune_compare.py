@@ -62,7 +62,7 @@ def test_compare_prints_a_table_of_both_optimizers_and_plots(tmp_path, capsys):
     (["tune", "--learning-rates", "0.1,fast"], "comma-separated numbers"),
     (["tune", "--validation-size", "1500"], "validation size"),
     (["tune", "--epsilon", "0.01"], "out of reach"),
-    (["tune", "--expected-runs", "1"], "mean"),
+    (["tune", "--expected-runs", "1"], "--expected-runs must be"),
 ])
 def test_bad_arguments_exit_nonzero_with_one_line(args, message, tmp_path, capsys):
   assert main([*args, "--output-dir", str(tmp_path / "x")]) == 2

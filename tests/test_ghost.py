@@ -256,10 +256,11 @@ def test_private_step_with_ghost_gives_the_vmap_update(gpt2):
   _, apply, params, batch = gpt2
   loss_fn = lm_loss(apply)
   assert resolve_method("automatic", loss_fn, params, _first(batch)) == "ghost"
-  opt = dp_sgd(0.5, 0.1, 1.0, denominator=6.0, key=7)
   mask = jnp.array([True, True, True, True, False, True])
   outs = {}
   for method in ("vmap", "ghost"):
+    # One optimizer per path, of one seed: the same noise, and no key used on two sums.
+    opt = dp_sgd(0.5, 0.1, 1.0, denominator=6.0, key=7)
     step = make_private_step(opt, loss_fn, clipped_sum_method=method)
     outs[method] = step(params, opt.init(params), [(batch, mask)])
   _assert_trees_close(outs["ghost"].params, outs["vmap"].params)

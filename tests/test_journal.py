@@ -6,6 +6,7 @@ exactly as when a run is killed between a release and its checkpoint.
 """
 
 import collections
+import json
 import os
 import shutil
 
@@ -176,3 +177,157 @@ def test_a_killed_run_resumed_with_augmentation_never_reuses_a_key(tmp_path, tin
   assert resumed["releases"] == len(used) == max(used) + 1
   config = _config(tmp_path, "killed", epsilon=50.0, epochs=200)
   assert noise_counter(_final(output_dir, tiny_data, config).opt_state) == max(used) + 1
+
+
+# ---- Lost or truncated journals, changed settings, unfinished outputs ---------------------
+
+_KILLABLE = """
+import json, sys
+import numpy as np
+from dpmuon_jax.data.images import ImageDataset
+from dpmuon_jax.training.trainer import TrainConfig, train
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
+y = rng.integers(0, 3, size=(80,))
+data = ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
+train(TrainConfig(**json.loads(sys.argv[1])), data)
+"""
+
+
+def _long_run(output_dir, **kw):
+  base = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=50.0, delta=1e-3,
+              batch_size=16, epochs=200, seed=3, output_dir=output_dir, progress=False,
+              plot=False, learning_rate=0.1, checkpoint_every=3)
+  base.update(kw)
+  return base
+
+
+def _kill_after(settings: dict, releases: int) -> set[int]:
+  """Runs ``settings`` in a child process, SIGKILLs it after ``releases`` journal entries."""
+  import json
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  journal = os.path.join(settings["output_dir"], JOURNAL_NAME)
+  child = subprocess.Popen([sys.executable, "-c", _KILLABLE, json.dumps(settings)],
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  try:
+    deadline = time.time() + 240
+    while (len(read_journal(journal)) < releases and child.poll() is None
+           and time.time() < deadline):
+      time.sleep(0.05)
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+  made = {e.key_index for e in read_journal(journal)}
+  assert len(made) >= releases
+  return made
+
+
+def test_a_truncated_journal_is_caught_by_the_high_water_mark_and_the_export_counts_it(
+    tmp_path, tiny_data
+):
+  from dpmuon_jax.training.checkpoint import latest_good_step, restore_metadata
+  from dpmuon_jax.training.export import export_run
+
+  output_dir = str(tmp_path / "truncated")
+  made = _kill_after(_long_run(output_dir), 8)
+  ckpt = os.path.join(output_dir, "checkpoints")
+  checkpointed = restore_metadata(ckpt, latest_good_step(ckpt))["key_index"]
+  assert checkpointed <= max(made)
+  # The export of the crashed run certifies every release made, not only the checkpoint's.
+  certificate = json.loads(open(os.path.join(export_run(output_dir, str(tmp_path / "x")),
+                                             "privacy_certificate.json")).read())
+  assert certificate["releases"] == len(made) and certificate["releases_in_checkpoint"] == (
+      checkpointed)
+  # Truncate the journal back to the checkpoint, as a careless clean-up would.
+  journal = os.path.join(output_dir, JOURNAL_NAME)
+  kept = [e for e in read_journal(journal) if e.key_index < checkpointed]
+  with open(journal, "w") as f:
+    f.write("".join(json.dumps(e._asdict()) + "\n" for e in kept))
+  resumed = train(TrainConfig(**_long_run(output_dir, resume=True, augment=True,
+                                          max_steps=max(made) + 3)), tiny_data)
+  new_keys = [e.key_index for e in read_journal(journal) if e.key_index >= checkpointed]
+  assert new_keys and min(new_keys) > max(made)  # no key of the lost releases used again
+  # Every release made is charged: the checkpoint's, the lost ones, and the new ones.
+  assert resumed["releases"] == len(made) + len(new_keys)
+
+
+def test_a_deleted_journal_is_caught_by_the_high_water_mark(tmp_path, tiny_data):
+  config = _crash_after(tmp_path, "deleted", tiny_data, 4)
+  os.remove(os.path.join(config.output_dir, JOURNAL_NAME))
+  resumed = train(_config(tmp_path, "deleted", resume=True, augment=True, max_steps=6),
+                  tiny_data)
+  # 3 checkpointed + 1 lost (charged though its journal line is gone) + 3 new.
+  assert resumed["releases"] == 7
+  final = _final(config.output_dir, tiny_data, config)
+  assert noise_counter(final.opt_state) == 7
+
+
+def test_records_add_what_the_high_water_mark_proves_missing(tmp_path):
+  from dpmuon_jax.training.journal import read_records, releases_after
+
+  path = str(tmp_path / JOURNAL_NAME)
+  settings = {"noise_multiplier": 1.0}
+  for k in range(5):
+    append_entry(path, JournalEntry(k, k, "fp", settings))
+  assert [e.key_index for e in read_records(path)] == list(range(5))
+  with open(path, "w") as f:  # truncated to two entries
+    f.write("".join(json.dumps(JournalEntry(k, k, "fp", settings)._asdict()) + "\n"
+                    for k in range(2)))
+  records = read_records(path)
+  assert [e.key_index for e in records] == list(range(5))
+  assert [e.fingerprint for e in records[2:]] == ["missing"] * 3
+  assert all(e.privacy == settings for e in records)
+  assert releases_after(records, 3) == 2
+  os.remove(path)
+  assert [e.key_index for e in read_records(path)] == list(range(5))
+
+
+def test_killed_before_its_first_checkpoint_resumes_only_under_the_journaled_settings(
+    tmp_path, tiny_data
+):
+  from dpmuon_jax.privacy.accounting import compute_epsilon
+
+  output_dir = str(tmp_path / "early")
+  settings = _long_run(output_dir, noise_multiplier=0.5, epsilon=200.0, checkpoint_every=10**6)
+  made = _kill_after(settings, 3)
+  assert not os.path.exists(os.path.join(output_dir, "checkpoints"))
+  # Another σ (calibrated to ε = 2) or another q (batch size) would charge the lost releases
+  # at settings they were not made under: refused.
+  for changed in (dict(noise_multiplier=None, epsilon=2.0), dict(batch_size=32)):
+    with pytest.raises(TrainingError, match="other privacy settings"):
+      train(TrainConfig(**{**settings, **changed, "resume": True, "max_steps": 1}), tiny_data)
+  # Under the journaled settings (seeded: the lost releases replay bit for bit from the
+  # start), every release is charged once, at σ = 0.5.
+  resumed = train(TrainConfig(**{**settings, "resume": True, "max_steps": max(made) + 3}),
+                  tiny_data)
+  assert resumed["releases"] == max(made) + 3 == len(made) + 2
+  expected = compute_epsilon(0.5, 16 / 64, max(made) + 3, 1e-3)
+  assert resumed["epsilon_spent"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_deleted_checkpoints_do_not_let_a_resume_change_sigma(tmp_path, tiny_data):
+  config = _config(tmp_path, "nockpt", max_steps=3)
+  train(config, tiny_data)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))
+  with pytest.raises(TrainingError, match="other privacy settings.*noise_multiplier"):
+    train(_config(tmp_path, "nockpt", resume=True, epsilon=1.0), tiny_data)
+  # The same settings (seeded) replay the 3 journaled releases from the start, then continue.
+  resumed = train(_config(tmp_path, "nockpt", resume=True, max_steps=5), tiny_data)
+  assert resumed["releases"] == 5
+
+
+def test_a_run_stopped_after_its_final_checkpoint_finishes_its_outputs(tmp_path, tiny_data):
+  config = _config(tmp_path, "outputs", epochs=0.5)
+  done = train(config, tiny_data)
+  # Killed after the final checkpoint, before results.json and export/ were written.
+  os.remove(os.path.join(config.output_dir, "results.json"))
+  shutil.rmtree(os.path.join(config.output_dir, "export"))
+  again = train(_config(tmp_path, "outputs", epochs=0.5, resume=True), tiny_data)
+  assert again["final_test_accuracy"] == done["final_test_accuracy"]
+  assert again["releases"] == done["releases"]
+  assert os.path.exists(os.path.join(config.output_dir, "results.json"))
+  assert os.path.exists(os.path.join(config.output_dir, "export", "privacy_certificate.json"))

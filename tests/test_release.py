@@ -55,11 +55,12 @@ def test_noise_std_is_sigma_c_over_d_two_sided(num_real):
 
 def test_denominator_does_not_depend_on_the_mask():
   v = {"w": jnp.full((6, 4), 0.1)}  # each row has norm 0.2 < C: unclipped
-  release = dm.dp_release(C, SIGMA, D, key=3)
+  # Two releases of one seed: the same noise stream, by request (one release object
+  # would refuse its key on a second, different sum).
+  first, second = dm.dp_release(C, SIGMA, D, key=3), dm.dp_release(C, SIGMA, D, key=3)
   params = {"w": jnp.zeros(4)}
-  state = release.init(params)
-  out_all, _ = release.update(v, state, params, mask=jnp.ones(6, bool))
-  out_two, _ = release.update(v, state, params, mask=jnp.arange(6) < 2)
+  out_all, _ = first.update(v, first.init(params), params, mask=jnp.ones(6, bool))
+  out_two, _ = second.update(v, second.init(params), params, mask=jnp.arange(6) < 2)
   # Same key and step, so the noise cancels: the difference is (6 − 2)·v / D.
   np.testing.assert_allclose(out_all["w"] - out_two["w"], 4 * 0.1 / D, rtol=1e-4)
 

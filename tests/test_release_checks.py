@@ -76,7 +76,7 @@ def test_the_release_needs_params():
 def test_a_clipped_sum_cannot_be_built_by_accident():
   with pytest.raises(TypeError, match="assume_clipped"):
     ClippedSum({"w": jnp.ones(3)}, C, None)
-  vouched = ClippedSum.assume_clipped({"w": jnp.ones(3)}, C)
+  vouched = ClippedSum.assume_clipped({"w": jnp.ones(3)}, C, num_examples=2)
   assert vouched.l2_sensitivity == C
   # Pytree round trips (jit, scan) keep working.
   again = jax.jit(lambda s: s)(vouched)

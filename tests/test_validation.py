@@ -246,3 +246,42 @@ def test_cli_reports_a_bad_learning_rate_in_one_line(tmp_path, capsys, lr):
   assert code != 0
   assert err.count("\n") == 1 and "--lr" in err and "Traceback" not in err
   assert not out.exists()
+
+
+# ------------------------------------------------------------------------ setup and accounting
+
+
+_SETUP = dict(target_epsilon=2.0, target_delta=1e-5, dataset_size=1000, expected_batch_size=10,
+              l2_clip_norm=1.0)
+
+
+@pytest.mark.parametrize("epochs", [math.inf, math.nan, 0, -5])
+def test_make_private_refuses_bad_epochs(epochs):
+  from dpmuon_jax.privacy.setup import make_private
+
+  message = _refused("epochs", make_private, **_SETUP, epochs=epochs)
+  assert message.startswith("epochs must be a finite number > 0")
+
+
+@pytest.mark.parametrize("steps", [0, -5, 2.5, math.inf, True])
+def test_make_private_refuses_bad_steps_and_accepts_numpy_ints(steps):
+  from dpmuon_jax.privacy.setup import make_private
+
+  _refused("steps must be an int >= 1", make_private, **_SETUP, steps=steps)
+  assert make_private(**_SETUP, steps=np.int64(5)).steps == 5
+
+
+@pytest.mark.parametrize("dataset_size", [0, -5])
+def test_calibration_refuses_a_bad_dataset_size(dataset_size):
+  from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+
+  _refused("dataset_size", calibrate_noise_multiplier, 2.0, 1e-5, 0.01, 100,
+           dataset_size=dataset_size)
+  _refused("dataset_size", compute_epsilon, 1.0, 0.01, 100, 1e-5, dataset_size=dataset_size)
+
+
+def test_compute_epsilon_refuses_an_infinite_noise_multiplier():
+  from dpmuon_jax.privacy.accounting import compute_epsilon
+
+  _refused("noise_multiplier must be a finite number >= 0", compute_epsilon, math.inf, 0.01,
+           100, 1e-5)

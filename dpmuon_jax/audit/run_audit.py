@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 import warnings
 from typing import Any, cast
@@ -29,6 +30,7 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
+from dpmuon_jax import checks
 from dpmuon_jax.audit.canaries import (
     NOT_A_CANARY,
     canary_coordinates,
@@ -146,8 +148,29 @@ def _data_rows(train: dict, num_data: int, multiple: int):
   return gather(train, padded), jnp.asarray(padded.mask)
 
 
+def check_config(config: AuditConfig) -> None:
+  """Refuses a NaN, infinite or out-of-range setting in one line that names its flag."""
+  checks.check_int("--canaries", config.num_canaries, 2)  # one included, one excluded at least
+  checks.check_positive("--epsilon", config.epsilon)
+  checks.check_in_range("--delta", config.delta, 0.0, 1.0, False, False)
+  checks.check_in_range("--sampling-rate", config.sampling_rate, 0.0, 1.0, False, True)
+  checks.check_positive_int("--steps", config.steps)
+  checks.check_positive("--clip", config.clip)
+  checks.check_positive("--lr", config.learning_rate)  # the white-box residual divides by it
+  checks.check_positive_int("--hidden", config.hidden)
+  checks.check_nonnegative("--noise-scale", config.noise_scale)
+  checks.check_in_range("--significance", config.significance, 0.0, 1.0, False, False)
+  if config.microbatch_size is not None:
+    checks.check_positive_int("microbatch_size", config.microbatch_size)
+  for flag, seed in (("--seed", config.seed), ("--audit-seed", config.audit_seed)):
+    if seed is not None:
+      checks.check_int(flag, seed)
+  checks.check_nonnegative_int("model_seed", config.model_seed)
+
+
 def audit(config: AuditConfig) -> dict:
   """Runs one audited training run; returns ε̂, the accountant's ε and the settings."""
+  check_config(config)
   started = time.perf_counter()
   audit_key = root_key(config.audit_seed)  # kept apart from the run's root key
   x, y, classes = _load(config.data)
@@ -208,8 +231,9 @@ def audit(config: AuditConfig) -> dict:
   }
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m dpmuon_jax.audit.run_audit", description=__doc__,
+def _parser(prog: str | None = None) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog=prog or "python -m dpmuon_jax.audit.run_audit",
+                              description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   d = AuditConfig()
   p.add_argument("--scoring", choices=(WHITE_BOX, BLACK_BOX), default=d.scoring)
@@ -231,8 +255,16 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def main(argv: list[str] | None = None) -> int:
-  result = audit(AuditConfig(**vars(_parser().parse_args(argv))))
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+  """Exit status 2 with one line on stderr when the audit cannot run, as for bad arguments."""
+  parser = _parser(prog)
+  config = AuditConfig(**vars(parser.parse_args(argv)))
+  try:
+    result = audit(config)
+  except (ValueError, OSError, KeyError) as error:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
   print(
       f"one-run audit ({result['config']['scoring']}-box, m = {result['config']['num_canaries']}): "
       f"ε̂ = {result['epsilon_hat']:.3f} (lower bound, {result['confidence']:.0%} confidence) vs "

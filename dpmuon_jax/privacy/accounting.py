@@ -36,6 +36,7 @@ import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.release import GaussianReleaseSpec, Neighbouring
 
 RDP = "rdp"
@@ -102,13 +103,14 @@ def _check_accountant(accountant: str) -> None:
 
 
 def _check_delta(target_delta: float) -> None:
-  if not 0.0 < target_delta < 1.0:
-    raise ValueError(f"target_delta must be in (0, 1), got {target_delta}.")
+  checks.check_in_range("target_delta", target_delta, 0.0, 1.0, False, False)
 
 
 def _warn_large_delta(target_delta: float, dataset_size: int | None, stacklevel: int) -> None:
   """Warns when δ ≥ 1/N: then publishing one random example is (0, δ)-DP."""
-  if dataset_size is not None and target_delta >= 1.0 / dataset_size:
+  if dataset_size is None:
+    return
+  if target_delta >= 1.0 / checks.check_positive_int("dataset_size", dataset_size):
     warnings.warn(
         f"target_delta={target_delta:g} >= 1/N = {1.0 / dataset_size:g}: a mechanism that "
         f"publishes one random example satisfies this δ. Use δ well below 1/N.",
@@ -118,8 +120,7 @@ def _warn_large_delta(target_delta: float, dataset_size: int | None, stacklevel:
 
 
 def _check_rate(sampling_rate: float) -> None:
-  if not 0.0 < sampling_rate <= 1.0:
-    raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}.")
+  checks.check_in_range("sampling_rate", sampling_rate, 0.0, 1.0, False, True)
 
 
 def _check_steps(steps: int) -> None:
@@ -128,13 +129,11 @@ def _check_steps(steps: int) -> None:
 
 
 def _check_sigma(noise_multiplier: float) -> None:
-  if not noise_multiplier >= 0.0:
-    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
+  checks.check_nonnegative("noise_multiplier", noise_multiplier)
 
 
 def _check_epsilon(target_epsilon: float) -> None:
-  if not 0.0 < target_epsilon < math.inf:
-    raise ValueError(f"target_epsilon must be positive and finite, got {target_epsilon}.")
+  checks.check_positive("target_epsilon", target_epsilon)
 
 
 def make_accountant(accountant: str = RDP) -> dp_accounting.PrivacyAccountant:
@@ -522,7 +521,7 @@ class PrivacyLedger:
     diff = _differences(self.config, other.config, LedgerConfig._fields)
     if diff:
       raise ValueError(
-          "Refusing to continue under a changed privacy configuration (" + "; ".join(diff) + ")."
+          "changed privacy configuration (" + "; ".join(diff) + ")"
       )
 
   def __repr__(self) -> str:

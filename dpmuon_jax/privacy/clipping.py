@@ -90,10 +90,15 @@ class Clipping:
   def __post_init__(self):
     if not (math.isfinite(self.l2_clip_norm) and self.l2_clip_norm > 0):
       raise ValueError(f"l2_clip_norm must be a positive finite number, got {self.l2_clip_norm}.")
-    if self.automatic and not self.gamma > 0:
-      raise ValueError(f"automatic clipping needs gamma > 0, got {self.gamma}.")
+    if self.automatic and not (math.isfinite(self.gamma) and self.gamma > 0):
+      raise ValueError(f"automatic clipping needs a finite gamma > 0, got {self.gamma}.")
     if self.layer_weights is not None and not self.per_layer:
       raise ValueError("layer_weights only apply to per-layer clipping.")
+    if self.layer_weights is not None:
+      weights = [float(w) for w in jax.tree.leaves(self.layer_weights)]
+      if not weights or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"per-layer clipping weights must be positive finite numbers, got "
+                         f"{weights}.")
     if self.grid_bits is not None and (
         isinstance(self.grid_bits, bool) or not isinstance(self.grid_bits, int)
         or not 8 <= self.grid_bits <= 22
@@ -139,8 +144,6 @@ class Clipping:
       n = len(jax.tree.leaves(tree))
       return jax.tree.map(lambda _: self.l2_clip_norm / math.sqrt(n), tree)
     weights = jax.tree.leaves(self.layer_weights)
-    if any(not w > 0 for w in weights):
-      raise ValueError("per-layer clipping weights must all be positive.")
     total = math.sqrt(sum(float(w) ** 2 for w in weights))
     return jax.tree.map(lambda w: self.l2_clip_norm * float(w) / total, self.layer_weights)
 

@@ -60,10 +60,10 @@ from dpmuon_jax.privacy.query import (
     ClippedSum,
     GradientTerm,
     LossFn,
+    _sum_over_chunks,
     add_batch_axis,
     clipped_sum_from_norms,
     stack_terms,
-    zeros_clipped_sum,
 )
 
 PyTree = Any
@@ -528,8 +528,7 @@ def _chunked(chunk: Callable[[PyTree, jax.Array | None], ClippedSum], like: PyTr
     mask = jnp.ones((batch_size,), jnp.bool_)
   n = batch_size // microbatch_size
   chunked = jax.tree.map(lambda x: x.reshape((n, microbatch_size) + x.shape[1:]), (batch, mask))
-  step = lambda acc, c: (acc + chunk(*c), None)
-  return jax.lax.scan(step, zeros_clipped_sum(like, clipping), chunked)[0]
+  return _sum_over_chunks(lambda c: chunk(*c), chunked, like, as_clipping(clipping))
 
 
 QueryTerms = Callable[[PyTree], tuple[GradientTerm, ...]]

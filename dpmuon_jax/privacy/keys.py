@@ -8,10 +8,23 @@ The root key is split ONCE into named streams. Each consumer (the Poisson
 sampler, the Gaussian release, data augmentation, randomised post-processing)
 takes its own stream, so e.g. the sampling stream never sees noise randomness
 and post-processing never draws from the noise stream.
+
+One noise stream per release, ever: every Gaussian release built from one
+:class:`RootKey` object *claims* its own noise stream (:func:`claim_noise_stream`):
+the first takes the root's noise stream, the i-th ``fold_in(noise stream, i)``.
+So two optimizers built from one :func:`~dpmuon_jax.make_private` setup never
+add the same noise to different sums. The claims are counted in program order,
+so a program rebuilt the same way (a resumed run, the processes of one
+multi-process run, a seeded rerun) gets the same streams. An int seed builds a
+new ``RootKey`` each time it is given: the same seed names the same stream,
+which is what a user asks for by seeding (reproducible research).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import itertools
 import secrets
 from typing import NamedTuple
 
@@ -29,15 +42,23 @@ class KeyStreams(NamedTuple):
   postprocessing: jax.Array
 
 
-class RootKey(NamedTuple):
-  """A raw uint32 root key and whether it came from a user seed.
+@dataclasses.dataclass(frozen=True, eq=False)
+class RootKey:
+  """A raw uint32 root key, whether it came from a user seed, and its stream claims.
 
   Pass a ``RootKey`` on (e.g. to the sampler and the release of one run) to
-  share one root drawn from OS entropy while keeping ``seeded=False``.
+  share one root drawn from OS entropy while keeping ``seeded=False``. Each
+  release built from it claims a noise stream of its own (``claims`` counts
+  them), so sharing a ``RootKey`` never shares noise.
   """
 
   key: jax.Array
   seeded: bool
+  claims: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "key", _as_raw_key(jnp.asarray(self.key)))
+    object.__setattr__(self, "seeded", bool(self.seeded))
 
 
 KeyLike = RootKey | jax.Array | int | None
@@ -68,7 +89,7 @@ def root_key(key: KeyLike = None) -> RootKey:
   if key is None:
     return RootKey(_entropy_key(), seeded=False)
   if isinstance(key, RootKey):
-    return RootKey(_as_raw_key(jnp.asarray(key.key)), bool(key.seeded))
+    return key
   if isinstance(key, (int, np.integer)):
     if isinstance(key, bool):
       raise TypeError("A seed must be an int, not a bool.")
@@ -89,3 +110,28 @@ def stream_key(key: KeyLike, stream: str) -> tuple[jax.Array, bool]:
     raise ValueError(f"Unknown stream {stream!r}; expected one of {KeyStreams._fields}.")
   streams, seeded = split_streams(key)
   return getattr(streams, stream), seeded
+
+
+def claim_noise_stream(key: KeyLike = None) -> tuple[jax.Array, bool]:
+  """A noise stream that no other release built from ``key`` uses; and ``seeded``.
+
+  ``None`` draws a new root from OS entropy; an int seed or JAX key names a
+  new seeded root (the same seed, the same stream: reproducible by request).
+  A :class:`RootKey` hands out ``noise``, ``fold_in(noise, 1)``,
+  ``fold_in(noise, 2)``, ... to the releases built from it, in program order.
+  """
+  root = root_key(key)
+  noise = split_streams(root)[0].noise
+  claim = next(root.claims)
+  return (noise if claim == 0 else jax.random.fold_in(noise, claim)), root.seeded
+
+
+def named_seed(seed: int, name: str) -> int:
+  """A seed of its own for the run called ``name`` of a family seeded with ``seed``.
+
+  Runs seeded alike would share every stream (the same noise on different
+  sums, the same Poisson samples); ``named_seed(seed, name)`` gives each named
+  run its own, reproducibly: the first 31 bits of SHA-256 of ``"seed/name"``.
+  """
+  digest = hashlib.sha256(f"{int(seed)}/{name}".encode()).digest()
+  return int.from_bytes(digest[:4], "big") >> 1

@@ -22,6 +22,8 @@ as fast as one vmap over the whole batch (``benchmarks/bench_release.py``).
 
 from __future__ import annotations
 
+import json
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,9 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from dpmuon_jax.privacy.clipping import (
+    LIMB_BITS,
     ClippedExample,
     Clipping,
+    GridSum,
     as_clipping,
+    flat_norm,
     round_to_grid,
     zeros_grid_sum,
 )
@@ -82,71 +87,205 @@ class ClipStats(NamedTuple):
 # Held only by this module: a ClippedSum built with it came from the clipping code below.
 _FROM_CLIPPING = object()
 
+# A release refuses a sum whose norm exceeds n · (one example's bound) by more than float32
+# rounding can explain: BOUND_RTOL for the norms, plus n·2⁻²⁴, the worst-case relative error
+# of a float32 sum of n terms in any order (Higham, "Accuracy and Stability of Numerical
+# Algorithms", §4.2), so that a genuine sum is never refused.
+BOUND_RTOL = 1e-4
+BOUND_ATOL = 1e-6  # in units of one example's bound: an empty sum is exactly zero
+
+# Odd multipliers of the seal's mixing (MurmurHash3's finaliser) and its position and leaf keys.
+_FMIX = (0x85EBCA6B, 0xC2B2AE35)
+_POSITION_KEY, _LEAF_KEY = 0x9E3779B9, 0x7F4A7C15
+_BROKEN_SEAL = 0x5EA1
+
+
+def _words(x: Any) -> jax.Array:
+  """The bits of ``x`` as a flat uint32 vector (other widths first cast to 32 bits)."""
+  x = jnp.asarray(x)
+  if x.dtype.itemsize != 4 or x.dtype == jnp.bool_:
+    x = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
+  return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(_FMIX[0])
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(_FMIX[1])
+  return x ^ (x >> 16)
+
+
+def fingerprint(tree: PyTree) -> jax.Array:
+  """A (2,) uint32 fingerprint of the exact bits of every leaf of ``tree``.
+
+  Each 32-bit word w_j at global position j (leaves concatenated) of leaf l is
+  mixed as h_j = fmix32(w_j ⊕ (j·k₁ + l·k₂)) (MurmurHash3's finaliser), and the
+  two lanes are Σ_j h_j and Σ_j h_j·(2j + 1), with wrap-around
+  uint32 sums: O(d) integer operations, no randomness. It is not a
+  cryptographic MAC: it detects accidental changes, not a deliberate forgery.
+  """
+  lanes = jnp.zeros((2,), jnp.uint32)
+  offset = 0
+  for index, leaf in enumerate(jax.tree.leaves(tree)):
+    words = _words(leaf)
+    pos = jnp.arange(words.size, dtype=jnp.uint32) + jnp.uint32(offset % 2**32)
+    salt = pos * jnp.uint32(_POSITION_KEY) + jnp.uint32(index * _LEAF_KEY % 2**32)
+    h = _fmix32(words ^ salt)
+    odd = pos * jnp.uint32(2) + jnp.uint32(1)
+    lanes = lanes + jnp.stack([
+        jnp.sum(h, dtype=jnp.uint32),
+        jnp.sum(h * odd, dtype=jnp.uint32),
+    ])
+    offset += words.size
+  return lanes
+
+
+class _Rule:
+  """A :class:`Clipping` as hashable pytree aux data: equal when :meth:`Clipping.matches`."""
+
+  __slots__ = ("clipping", "_key")
+
+  def __init__(self, clipping: Clipping):
+    self.clipping = clipping
+    self._key = (json.dumps(clipping.describe(), sort_keys=True),
+                 str(jax.tree.structure(clipping.layer_weights)))
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Rule) and self._key == other._key
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
 
 @jax.tree_util.register_pytree_node_class
 class ClippedSum:
-  """S = Σ_i clip_C(q_i) with its L2 sensitivity C attached as static data.
+  """S = Σ_i clip_C(q_i), with the clipping rule that bounds it and a seal of its bits.
 
   Only the library's clipping code makes one (:func:`clip_and_sum`,
   :func:`clipped_sum`, :func:`zeros_clipped_sum`,
-  :func:`clipped_sum_from_norms` for ghost clipping, and sums of those); calling
-  ``ClippedSum(...)`` directly raises ``TypeError``, so a summed, unclipped
-  gradient can never be released by accident as if it were clipped. The
-  Gaussian release accepts a ``ClippedSum`` only when its sensitivity is the
-  one the release was calibrated for.
+  :func:`clipped_sum_from_norms` for ghost clipping, :meth:`add_disjoint` and
+  :meth:`psum` of those); calling ``ClippedSum(...)`` directly raises
+  ``TypeError``, so a summed, unclipped gradient can never be released by
+  accident as if it were clipped. The Gaussian release accepts a
+  ``ClippedSum`` only when it was made with the release's clipping rule
+  (hence its sensitivity C), its seal matches its bits and
+  ‖total‖₂ ≤ num_examples · C (privacy invariant 8, docs/design.md).
+
+  The seal is a :func:`fingerprint` of ``total`` and ``stats`` computed when
+  the library makes the sum. It is a pytree leaf, but ``tree_unflatten`` does
+  not recompute it: ``jax.tree.map(f, s)`` or ``jax.tree.unflatten`` with other
+  leaves gives a ``ClippedSum`` whose seal no longer matches, and the release
+  refuses it. ``s + s`` is refused; sums over DISJOINT example sets are added
+  with :meth:`add_disjoint`.
 
   To release a sum clipped by your own code, say so explicitly with
   :meth:`assume_clipped`: you then guarantee the sensitivity yourself.
 
-  With a grid (``grid_bits``, the secure-noise mode) every leaf of ``total``
-  is a :class:`~dpmuon_jax.privacy.clipping.GridSum` of int32 limbs in grid
-  units instead of a float32 array.
+  With a grid (``clipping.grid_bits``, the secure-noise mode) every leaf of
+  ``total`` is a :class:`~dpmuon_jax.privacy.clipping.GridSum` of int32 limbs
+  in grid units instead of a float32 array.
   """
 
-  def __init__(self, total: PyTree, l2_sensitivity: float, stats: ClipStats, *, _origin=None,
-               grid_bits: int | None = None):
+  def __init__(self, total: PyTree, clipping: Clipping, stats: ClipStats, *,
+               seal: jax.Array | None = None, _origin=None):
     if _origin is not _FROM_CLIPPING:
       raise TypeError(
           "A ClippedSum comes from dpmuon_jax's clipping code (clip_and_sum, clipped_sum); "
           "to vouch for a sum you clipped yourself, use ClippedSum.assume_clipped(...)."
       )
     self.total = total
-    self.l2_sensitivity = float(l2_sensitivity)
     self.stats = stats
-    self.grid_bits = grid_bits
+    self.seal = seal
+    self._rule = clipping if isinstance(clipping, _Rule) else _Rule(clipping)
+
+  @property
+  def clipping(self) -> Clipping:
+    """The rule every summed query was clipped with."""
+    return self._rule.clipping
+
+  @property
+  def l2_sensitivity(self) -> float:
+    return self.clipping.l2_clip_norm
+
+  @property
+  def grid_bits(self) -> int | None:
+    return self.clipping.grid_bits
 
   @classmethod
   def assume_clipped(
-      cls, total: PyTree, l2_sensitivity: float, stats: ClipStats | None = None
+      cls, total: PyTree, l2_sensitivity: float | Clipping, stats: ClipStats | None = None, *,
+      num_examples: int | None = None,
   ) -> ClippedSum:
     """Wraps a sum whose sensitivity YOU guarantee (no check is possible here).
 
-    Use it only for a sum of per-example vectors each of L2 norm ≤
-    ``l2_sensitivity`` (e.g. clipped by your own ghost-norm code). Releasing
-    anything else with it voids the privacy guarantee.
+    Use it only for a sum of ``num_examples`` per-example vectors each clipped
+    by the rule ``l2_sensitivity`` (a :class:`Clipping`, or a bound C: flat
+    clipping), e.g. by your own ghost-norm code. Releasing anything else with
+    it voids the privacy guarantee. The release still checks
+    ‖total‖₂ ≤ num_examples · C, so the count is required (or ``stats`` that
+    carry it).
     """
-    return cls(total, l2_sensitivity, ClipStats.zeros() if stats is None else stats,
-               _origin=_FROM_CLIPPING)
+    if (stats is None) == (num_examples is None):
+      raise ValueError("assume_clipped needs exactly one of num_examples (how many clipped "
+                       "vectors were summed) and stats.")
+    if stats is None:
+      stats = ClipStats.zeros()._replace(num_examples=jnp.asarray(num_examples, jnp.float32))
+    total = jax.tree.map(jnp.asarray, total)
+    return _sealed(total, as_clipping(l2_sensitivity), stats)
 
   def tree_flatten(self):
-    return (self.total, self.stats), (self.l2_sensitivity, self.grid_bits)
+    return (self.total, self.stats, self.seal), self._rule
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    total, stats = children
-    return cls(total, aux[0], stats, _origin=_FROM_CLIPPING, grid_bits=aux[1])
+    total, stats, seal = children
+    return cls(total, aux, stats, seal=seal, _origin=_FROM_CLIPPING)
 
-  def __add__(self, other: ClippedSum) -> ClippedSum:
-    """Adds sums over DISJOINT example sets of the same release (e.g. overflow chunks)."""
-    if (not isinstance(other, ClippedSum) or other.l2_sensitivity != self.l2_sensitivity
-        or other.grid_bits != self.grid_bits):
-      raise ValueError("Only clipped sums with the same sensitivity and grid can be added.")
-    return ClippedSum(
+  def seal_holds(self) -> jax.Array:
+    """Whether the seal still matches ``total`` and ``stats`` bit for bit (a bool scalar)."""
+    return jnp.all(jnp.asarray(self.seal) == fingerprint((self.total, self.stats)))
+
+  def norm_and_bound(self) -> tuple[jax.Array, jax.Array]:
+    """‖total‖₂ and n·Δ·(1 + rtol + n·2⁻²⁴) + Δ·atol, n = num_examples, Δ one example's bound.
+
+    Δ = C (float sums) or 2ᵏ + √d/2 grid units (secure-noise mode, where the
+    norm is that of the exact integer sum).
+    """
+    if self.grid_bits is None:
+      per_example, total = self.l2_sensitivity, self.total
+    else:
+      total = jax.tree.map(
+          lambda g: g.hi.astype(jnp.float32) * 2**LIMB_BITS + g.lo.astype(jnp.float32),
+          self.total, is_leaf=lambda x: isinstance(x, GridSum))
+      dim = sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(total))
+      per_example = self.clipping.grid_sensitivity(dim)
+    n = self.stats.num_examples
+    bound = n * per_example * (1 + BOUND_RTOL + n * 2.0**-24) + per_example * BOUND_ATOL
+    return flat_norm(total), bound
+
+  def __add__(self, other: Any) -> ClippedSum:
+    raise TypeError("ClippedSum + ClippedSum is refused (a sum added to itself has sensitivity "
+                    "2C); add sums over DISJOINT example sets with a.add_disjoint(b).")
+
+  __radd__ = __add__
+
+  def add_disjoint(self, other: ClippedSum) -> ClippedSum:
+    """The sum over the union of two DISJOINT example sets of one release (e.g. chunks).
+
+    Both must come from the same clipping rule. The sensitivity stays C only
+    because no example is in both; adding a sum to itself (or to one that
+    shares examples) voids the guarantee. If either operand's seal fails, so
+    does the result's, and the release refuses it.
+    """
+    if not isinstance(other, ClippedSum) or other._rule != self._rule:
+      raise ValueError("Only clipped sums with the same clipping rule (bound and grid) can "
+                       "be added.")
+    return _sealed(
         jax.tree.map(jnp.add, self.total, other.total),
-        self.l2_sensitivity,
+        self.clipping,
         self.stats + other.stats,
-        _origin=_FROM_CLIPPING,
-        grid_bits=self.grid_bits,
+        valid=self.seal_holds() & other.seal_holds(),
     )
 
   def psum(self, axis_name: str) -> ClippedSum:
@@ -155,22 +294,57 @@ class ClippedSum:
     total = jax.lax.psum(self.total, axis_name)
     summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), axis_name)
     stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))  # pyright: ignore[reportCallIssue]
-    return ClippedSum(total, self.l2_sensitivity, stats, _origin=_FROM_CLIPPING,
-                      grid_bits=self.grid_bits)
+    valid = jax.lax.pmin(self.seal_holds().astype(jnp.int32), axis_name) == 1
+    return _sealed(total, self.clipping, stats, valid=valid)
 
   def __repr__(self) -> str:
-    return f"ClippedSum(l2_sensitivity={self.l2_sensitivity}, total={self.total!r})"
+    return f"ClippedSum(clipping={self.clipping.describe()}, total={self.total!r})"
+
+
+def _sealed(total: PyTree, clipping: Clipping, stats: ClipStats,
+            valid: jax.Array | None = None) -> ClippedSum:
+  """A ClippedSum with the seal of ``(total, stats)``; a broken seal where not ``valid``.
+
+  The optimisation barrier makes the sealed bits those of ONE materialised
+  value, so a consumer can never see a recomputation of ``total`` that XLA
+  rounded differently (e.g. fused with an FMA).
+  """
+  total, stats = jax.lax.optimization_barrier((total, stats))
+  seal = fingerprint((total, stats))
+  if valid is not None:
+    seal = jnp.where(valid, seal, seal ^ jnp.uint32(_BROKEN_SEAL))
+  return ClippedSum(total, clipping, stats, seal=seal, _origin=_FROM_CLIPPING)
+
+
+def _zero_total(like: PyTree, clipping: Clipping) -> PyTree:
+  if clipping.grid_bits is None:
+    return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), like)
+  return jax.tree.map(lambda p: zeros_grid_sum(jnp.shape(p)), like)
 
 
 def zeros_clipped_sum(like: PyTree, clipping: Clipping | float) -> ClippedSum:
   """An empty clipped sum (no examples) shaped like ``like``, for ``clipping``'s bound and grid."""
   clipping = as_clipping(clipping)
-  if clipping.grid_bits is None:
-    total = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), like)
-  else:
-    total = jax.tree.map(lambda p: zeros_grid_sum(p.shape), like)
-  return ClippedSum(total, clipping.l2_clip_norm, ClipStats.zeros(), _origin=_FROM_CLIPPING,
-                    grid_bits=clipping.grid_bits)
+  return _sealed(_zero_total(like, clipping), clipping, ClipStats.zeros())
+
+
+def _sum_over_chunks(
+    chunk_sum: Callable[[Any], ClippedSum], chunks: PyTree, like: PyTree, clipping: Clipping
+) -> ClippedSum:
+  """Σ_k chunk_sum(chunks[k]) over disjoint chunks (leading axis), in a rolled ``lax.scan``.
+
+  ``chunk_sum`` must be the library's clipping code (:func:`clip_and_sum`,
+  ghost clipping): the chunks' totals are accumulated as arrays and sealed
+  once, so the parts' seals are not checked (and XLA drops them).
+  """
+
+  def accumulate(acc, chunk):
+    part = chunk_sum(chunk)
+    return (jax.tree.map(jnp.add, acc[0], part.total), acc[1] + part.stats), None
+
+  init = (_zero_total(like, clipping), ClipStats.zeros())
+  (total, stats), _ = jax.lax.scan(accumulate, init, chunks)
+  return _sealed(total, clipping, stats)
 
 
 def add_batch_axis(example: PyTree) -> PyTree:
@@ -331,8 +505,7 @@ def clip_and_sum(
       norm_sum=jnp.sum(jnp.where(real_finite, clipped.norm, 0.0)),
       norm_max=jnp.max(jnp.where(real_finite, clipped.norm, 0.0), initial=0.0),
   )
-  return ClippedSum(total, clipping.l2_clip_norm, stats, _origin=_FROM_CLIPPING,
-                    grid_bits=clipping.grid_bits)
+  return _sealed(total, clipping, stats)
 
 
 def _stats(mask: jax.Array, clipped: ClippedExample) -> ClipStats:
@@ -371,7 +544,7 @@ def clipped_sum_from_norms(
   keep = mask & scaled.is_finite
   factors = jax.tree.map(lambda f: jnp.where(keep, f, 0.0), scaled.clipped)
   total = _as_float32_tree(weighted_sum(factors, keep))
-  return ClippedSum(total, clipping.l2_clip_norm, _stats(mask, scaled), _origin=_FROM_CLIPPING)
+  return _sealed(total, clipping, _stats(mask, scaled))
 
 
 def _as_float32_tree(tree: PyTree) -> PyTree:
@@ -418,11 +591,10 @@ def clipped_sum(
       lambda x: x.reshape((num_chunks, microbatch_size) + x.shape[1:]), (batch, mask)
   )
 
-  def accumulate(acc: ClippedSum, chunk):
+  def chunk_sum(chunk) -> ClippedSum:
     chunk_batch, chunk_mask = chunk
-    return acc + clip_and_sum(per_example(query_inputs, chunk_batch), chunk_mask, clipping), None
+    return clip_and_sum(per_example(query_inputs, chunk_batch), chunk_mask, clipping)
 
   one_example = jax.tree.map(lambda x: x[0], batch)
-  init = zeros_clipped_sum(jax.eval_shape(query, query_inputs, one_example), clipping)
-  total, _ = jax.lax.scan(accumulate, init, chunked)
-  return total
+  like = jax.eval_shape(query, query_inputs, one_example)
+  return _sum_over_chunks(chunk_sum, chunked, like, as_clipping(clipping))

@@ -29,10 +29,10 @@ from jax.experimental import io_callback
 
 from dpmuon_jax.privacy.clipping import LIMB_BITS, Clipping, GridSum, as_clipping
 from dpmuon_jax.privacy.discrete_gaussian import (
-    discrete_gaussian_noise_multiplier,
-    sample_discrete_gaussian,
+  discrete_gaussian_noise_multiplier,
+  sample_discrete_gaussian,
 )
-from dpmuon_jax.privacy.keys import KeyLike, stream_key
+from dpmuon_jax.privacy.keys import KeyLike, claim_noise_stream
 from dpmuon_jax.privacy.query import GRADIENT_QUERY, ClippedSum, QuerySpec, clip_and_sum
 
 PyTree = Any
@@ -247,6 +247,44 @@ def _validate(l2_clip_norm: float, noise_multiplier: float, denominator: float) 
     )
 
 
+class NoiseKeyUses:
+  """The noise keys one release has used, and on which clipped sum (by fingerprint).
+
+  A state that is not threaded through (``update`` called twice with one
+  state, ``init`` called again mid-training, a restored checkpoint continued
+  on other data) would add the noise of key index k to a second, different
+  sum; their difference would then be released without noise. :meth:`check`
+  runs on the host at every release (``io_callback``, also under ``jit``) with
+  the sum's seal (its bit-level fingerprint, :func:`~dpmuon_jax.privacy.query.fingerprint`):
+  the same key on the same sum (a replay, bit for bit) is allowed, on another
+  sum it is refused: the release is replaced by NaN and a warning names the
+  key index. It catches reuse within one release object in one process;
+  ``docs/sharp-edges.md`` lists what it cannot see.
+  """
+
+  def __init__(self):
+    self._used: dict[tuple[bytes, int], bytes] = {}
+
+  def _claim(self, noise_key, count, fingerprint) -> np.ndarray:
+    use = (np.asarray(noise_key, np.uint32).tobytes(), int(count))
+    digest = np.asarray(fingerprint, np.uint32).tobytes()
+    fresh = self._used.setdefault(use, digest) == digest
+    if not fresh:
+      warnings.warn(
+          f"dp_release: noise key index {use[1]} was already used on a different clipped sum "
+          "(a state used twice, or init called again); this release is NaN. Thread the "
+          "optimizer state through every update.",
+          RuntimeWarning,
+          stacklevel=1,
+      )
+    return np.asarray(fresh)
+
+  def check(self, noise_key: jax.Array, count: jax.Array, fingerprint: jax.Array) -> jax.Array:
+    """True unless this key was used before on a sum with another fingerprint."""
+    return io_callback(self._claim, jax.ShapeDtypeStruct((), jnp.bool_), noise_key, count,
+                       fingerprint, ordered=False)
+
+
 def dp_release(
     l2_clip_norm: float,
     noise_multiplier: float,
@@ -299,6 +337,7 @@ def dp_release(
   spec, noise_key = _release_spec(
       l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring, secure_noise
   )
+  key_uses = NoiseKeyUses()
 
   def init_fn(params):
     del params
@@ -317,6 +356,11 @@ def dp_release(
           lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
           clipped.total, noise, params,
       )
+      # Without noise there is no key to protect. Several processes: a host callback would
+      # run in one of them only; there the trainer's release journal guards the keys.
+      if spec.noise_multiplier > 0 and jax.process_count() == 1:
+        fresh = key_uses.check(state.noise_key, state.count, clipped.seal)
+        released = jax.tree.map(lambda x: jnp.where(fresh, x, jnp.nan), released)
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
   return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
@@ -336,7 +380,7 @@ def _release_spec(
     raise ValueError(
         f"clipping bound {clipping.l2_clip_norm} differs from l2_clip_norm {l2_clip_norm}."
     )
-  noise_key, seeded = stream_key(key, "noise")
+  noise_key, seeded = claim_noise_stream(key)
   spec = GaussianReleaseSpec(
       float(l2_clip_norm), float(noise_multiplier), float(denominator), seeded, neighbouring,
       clipping,
@@ -345,31 +389,78 @@ def _release_spec(
 
 
 def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> ClippedSum:
-  """The clipped sum of the release's input, after checking its shapes, bound and grid."""
+  """The clipped sum of the release's input, after checking its shapes, rule, seal and bound."""
   if params is None:
     raise ValueError(
         "dp_release needs params (opt.update(per_example_grads, state, params)) to check "
         "that its input has the parameters' shapes."
     )
-  if isinstance(updates, ClippedSum):
-    if mask is not None:
-      raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
-    if updates.l2_sensitivity != spec.l2_clip_norm:
-      raise ValueError(
-          f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
-          f"clipped sum has sensitivity {updates.l2_sensitivity}."
-      )
-    check_sum_shapes(updates.total, params)
-    clipped = updates
-  else:
+  if not isinstance(updates, ClippedSum):
     check_per_example_shapes(updates, params)
-    clipped = clip_and_sum(updates, mask, spec.clipping)
-  if clipped.grid_bits != spec.clipping.grid_bits:
+    return clip_and_sum(updates, mask, spec.clipping)
+  if mask is not None:
+    raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
+  if updates.l2_sensitivity != spec.l2_clip_norm:
     raise ValueError(
-        f"The clipped sum's grid (grid_bits={clipped.grid_bits}) is not the release's "
+        f"This release is calibrated for sensitivity {spec.l2_clip_norm}, but the "
+        f"clipped sum has sensitivity {updates.l2_sensitivity}."
+    )
+  check_sum_shapes(updates.total, params)
+  if updates.grid_bits != spec.clipping.grid_bits:
+    raise ValueError(
+        f"The clipped sum's grid (grid_bits={updates.grid_bits}) is not the release's "
         f"({spec.clipping.grid_bits}); build both from the optimizer's clipping rule."
     )
-  return clipped
+  if not updates.clipping.matches(spec.clipping):
+    raise ValueError(
+        f"The clipped sum was clipped with {updates.clipping.describe()}, the release with "
+        f"{spec.clipping.describe()}; build it with the optimizer's rule "
+        "(optimizer.release.clipping)."
+    )
+  return _sealed_and_bounded(updates)
+
+
+def _warn_refused() -> None:
+  warnings.warn(
+      "dp_release refused a ClippedSum under jit (its seal or its bound ||total|| <= "
+      "num_examples * C failed: it was changed after clipping); its total was replaced by "
+      "NaN (by a constant in secure-noise mode), so the update depends on no data.",
+      RuntimeWarning, stacklevel=1,
+  )
+
+
+def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
+  """``clipped`` if its seal matches its bits and ‖total‖₂ ≤ num_examples·C (privacy invariant 8).
+
+  Concrete values that fail are refused with a ``ValueError``. Under ``jit``
+  the check is a traced bool: a failing sum's total becomes NaN (the integer
+  limbs of a grid sum a data-independent constant), so nothing that depends on
+  it is released, and a host-side ``RuntimeWarning`` says so.
+  """
+  intact = clipped.seal_holds()
+  norm, bound = clipped.norm_and_bound()
+  within = norm <= bound
+  if not isinstance(intact, jax.core.Tracer) and not isinstance(within, jax.core.Tracer):
+    if not bool(intact):
+      raise ValueError(
+          "The ClippedSum was changed after clipping (its seal does not match its total): "
+          "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
+          "disjoint examples with a.add_disjoint(b).")
+    if not bool(within):
+      raise ValueError(
+          f"The ClippedSum's norm {float(norm):.6g} exceeds num_examples x bound = "
+          f"{float(bound):.6g}: it is not a sum of {float(clipped.stats.num_examples):g} "
+          "clipped queries.")
+    return clipped
+  ok = intact & within
+  jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(_warn_refused))
+
+  def poison(x):
+    bad = jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).max
+    return jnp.where(ok, x, jnp.asarray(bad, x.dtype))
+
+  (total, stats, seal), aux = clipped.tree_flatten()
+  return ClippedSum.tree_unflatten(aux, (jax.tree.map(poison, total), stats, seal))
 
 
 def optimizer_clipping(

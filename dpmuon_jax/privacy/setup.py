@@ -10,7 +10,7 @@ and builds the sampler, the release and the ledger from these numbers ONCE,
 so q, σ, D and T cannot disagree: the ledger reads them back from the
 sampler and release objects. The sampler and the release share one root key
 (drawn once from OS entropy when ``key=None``) and use its different named
-streams.
+streams; every release built from the setup claims a noise stream of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import optax
 
+from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
 from dpmuon_jax.privacy.clipping import Clipping, as_clipping
 from dpmuon_jax.privacy.keys import KeyLike, root_key
@@ -48,7 +49,10 @@ class PrivateSetup(NamedTuple):
       target ε, read from ``sampler`` and ``release``.
     release_kwargs: ``l2_clip_norm``, ``noise_multiplier``, ``denominator``,
       ``key`` and ``clipping`` for building a ``dp_*`` optimizer with the same
-      release, e.g. ``dp_sgd(learning_rate, **setup.release_kwargs)``.
+      release settings, e.g. ``dp_sgd(learning_rate, **setup.release_kwargs)``.
+      ``key`` is the run's :class:`~dpmuon_jax.privacy.keys.RootKey`: every
+      optimizer built from it claims a noise stream of its own, so two
+      optimizers of one setup never add the same noise.
   """
 
   sampler: PoissonSampler
@@ -61,8 +65,11 @@ class PrivateSetup(NamedTuple):
   def private_optimizer(
       self, *post_processing: optax.GradientTransformation
   ) -> PrivateTransformation:
-    """``optax.chain(release, *post_processing)``: a complete private optimizer."""
-    return privatize(self.release, *post_processing)
+    """``optax.chain(release, *post_processing)``: a complete private optimizer.
+
+    Each call builds a new release with these settings and a noise stream of its own.
+    """
+    return privatize(dp_release(**self.release_kwargs), *post_processing)
 
   def clipped_sum(
       self,
@@ -75,12 +82,6 @@ class PrivateSetup(NamedTuple):
     """The per-example clipped sum with this setup's clipping (bound C)."""
     clipping = self.release.release.clipping
     return clipped_sum(query, query_inputs, batch, mask, clipping, microbatch_size)
-
-
-def _positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-  return value
 
 
 def make_private(
@@ -129,7 +130,7 @@ def make_private(
   Returns:
     A :class:`PrivateSetup`.
   """
-  dataset_size = _positive_int("dataset_size", dataset_size)
+  dataset_size = checks.check_positive_int("dataset_size", dataset_size)
   if not 0 < expected_batch_size <= dataset_size:
     raise ValueError(
         f"expected_batch_size must be in (0, dataset_size={dataset_size}], "
@@ -139,11 +140,9 @@ def make_private(
     raise ValueError("Give exactly one of epochs and steps.")
   sampling_rate = expected_batch_size / dataset_size
   if steps is None:
-    assert epochs is not None  # exactly one of the two, checked above
-    if not epochs > 0:
-      raise ValueError(f"epochs must be positive, got {epochs}.")
+    epochs = checks.check_positive("epochs", epochs)
     steps = max(1, round(epochs / sampling_rate))
-  steps = _positive_int("steps", steps)
+  steps = checks.check_positive_int("steps", steps)
   if noise_multiplier is None:
     noise_multiplier = calibrate_noise_multiplier(
         target_epsilon, target_delta, sampling_rate, steps, accountant

@@ -1,11 +1,13 @@
 """Private runs of several optimizers side by side at one (ε, δ) (``dpmuon compare``).
 
-Every optimizer trains once with the same data, model, seed, batch size,
-epochs, clipping norm and target (ε, δ); σ is calibrated per run, so runs of
-equal length get the same σ, and one seed gives every run the same Poisson
-batches. Each run is (ε, δ)-DP on its own. Publishing all of them composes:
-the summary also gives the ε of all the runs together (RDP composition of
-their releases). Test accuracies use the public test split.
+Every optimizer trains once with the same data, model, batch size, epochs,
+clipping norm and target (ε, δ); σ is calibrated per run, so runs of equal
+length get the same σ. Each run is (ε, δ)-DP on its own. Publishing all of
+them composes: the summary also gives the ε of all the runs together (RDP
+composition of their releases), which assumes that the runs' randomness is
+independent. So every run draws its own root key: from OS entropy by default,
+or, with a seed, ``named_seed(seed, optimizer)`` (its own noise, sampling and
+augmentation streams, reproducibly). Test accuracies use the public test split.
 
 Writes ``comparison.json`` and ``accuracy.png`` (test accuracy per epoch) into
 the output directory, and each run's ``dpmuon train`` outputs into
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 
 from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.optimizers import registry as optimizer_registry
+from dpmuon_jax.privacy.keys import named_seed
 from dpmuon_jax.privacy.tuning import RunPrivacy, composed_epsilon
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 
@@ -124,8 +127,9 @@ def compare_optimizers(
   for name, learning_rate in zip(names, learning_rates):
     run_dir = os.path.join(config.output_dir, name)
     started = time.perf_counter()
+    seed = None if config.seed is None else named_seed(config.seed, name)
     results = train(dataclasses.replace(config, optimizer=name, learning_rate=learning_rate,
-                                        output_dir=run_dir), data)
+                                        output_dir=run_dir, seed=seed), data)
     rows.append(_row(name, learning_rate, results, _history(run_dir, results),
                      time.perf_counter() - started))
   released = [RunPrivacy(r["noise_multiplier"], r["sampling_rate"], r["releases"])

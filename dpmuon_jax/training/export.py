@@ -32,6 +32,7 @@ from flax import serialization
 
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.training.checkpoint import restore_untyped
+from dpmuon_jax.training.journal import JOURNAL_NAME, read_records, releases_after
 
 PyTree = Any
 
@@ -84,6 +85,7 @@ def privacy_certificate(
     seeded: bool,
     secure_noise: bool = False,
     model: dict | None = None,
+    releases_after_checkpoint: int = 0,
 ) -> dict:
   """The public privacy record of a run, from its ledger.
 
@@ -95,17 +97,23 @@ def privacy_certificate(
       when the ledger says so).
     secure_noise: whether the noise came from a cryptographically secure generator.
     model: optional public description of the model (architecture, ...).
+    releases_after_checkpoint: releases made after the exported state (a run
+      that crashed after its checkpoint). The parameters do not depend on them,
+      but they were made and may have been seen, so ε counts them.
 
   Returns:
     A JSON-able dict: ``epsilon`` spent, ``delta``, ``noise_multiplier`` σ of
     the release, ``accounting_noise_multiplier`` (σ as the accountant saw
     it), ``sampling_rate`` q, ``releases``, ``accountant``, ``adjacency``,
     ``denominator`` D, ``clipping``, ``seeded``, ``secure_noise``,
-    ``library`` and ``guarantee`` (the scope, as a sentence).
+    ``library`` and ``guarantee`` (the scope, as a sentence). ``releases``
+    counts every release made (and ``epsilon`` is theirs);
+    ``releases_in_checkpoint`` those the exported state's ledger had recorded.
   """
   c = ledger.config
   seeded = bool(seeded or ledger.seeded)
-  epsilon = ledger.epsilon()
+  epsilon = ledger.epsilon_after(releases_after_checkpoint) if releases_after_checkpoint else (
+      ledger.epsilon())
   certificate = {
       "epsilon": epsilon,
       "delta": c.target_delta,
@@ -113,7 +121,8 @@ def privacy_certificate(
       "noise_multiplier": c.noise_multiplier,
       "accounting_noise_multiplier": ledger.accounting_noise_multiplier,
       "sampling_rate": c.sampling_rate,
-      "releases": ledger.count,
+      "releases": ledger.count + releases_after_checkpoint,
+      "releases_in_checkpoint": ledger.count,
       "accountant": c.accountant,
       "adjacency": c.neighbouring,
       "denominator": c.denominator,
@@ -296,12 +305,14 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
     model["dataset"] = _public_dataset_name(str(config["dataset"]))
   if "init_weights" in config:
     model["pretrained_initialisation"] = config["init_weights"] is not None
+  records = read_records(os.path.join(run_dir, JOURNAL_NAME))
   certificate = privacy_certificate(
       ledger,
       clipping=clipping,
       seeded=bool(metadata.get("seeded", ledger.seeded)),
       secure_noise=bool(metadata.get("secure_noise", False)),
       model=model,
+      releases_after_checkpoint=releases_after(records, metadata.get("key_index", ledger.count)),
   )
   out_dir = os.path.join(run_dir, "export") if out_dir is None else out_dir
   return export_model(out_dir, checkpoint.params, certificate)

@@ -24,15 +24,29 @@ been observed (logs, a model copied mid-run), so they count:
 
 A torn last line (a crash while appending) is treated as a release that
 happened: its record was being written, so the release may have followed.
+
+Every entry also records the privacy settings the release was made under (q,
+σ, C, D, N, the neighbouring relation, δ and the accountant: the ledger's
+configuration), so lost releases are charged exactly as they were made, and a
+resume under other settings is refused even when no checkpoint is left.
+
+A **high-water mark** is kept apart from the journal (:data:`HIGH_WATER_NAME`,
+rewritten atomically before every release, after its journal line): the last
+key index used and its settings. A journal that was truncated or deleted
+after a crash is recognised by it, and the releases missing from the journal
+are charged as lost, with their key indices skipped.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from dpmuon_jax.training.secret_files import private_open
+from dpmuon_jax.training.secret_files import private_open, write_private_file
+
+JOURNAL_NAME = "release_journal.jsonl"
+HIGH_WATER_NAME = "release_high_water.json"
 
 
 class JournalEntry(NamedTuple):
@@ -41,6 +55,7 @@ class JournalEntry(NamedTuple):
   step: int  # position in the training schedule the release was made at
   key_index: int  # index of the noise / sampling / augmentation keys it used
   fingerprint: str  # digest of everything that determined the release
+  privacy: dict[str, Any] | None = None  # the ledger's configuration (q, σ, C, D, ...)
 
 
 class ResumePlan(NamedTuple):
@@ -59,11 +74,77 @@ class ResumePlan(NamedTuple):
 
 
 def append_entry(path: str, entry: JournalEntry) -> None:
-  """Appends ``entry`` as one JSON line and syncs it to disk before returning."""
+  """Appends ``entry`` as one JSON line, syncs it, then moves the high-water mark.
+
+  The mark (:data:`HIGH_WATER_NAME` beside ``path``) is the entry again, in a
+  file of its own, written atomically.
+  """
+  line = json.dumps(entry._asdict(), sort_keys=True)
   with private_open(path, "a") as f:
-    f.write(json.dumps(entry._asdict(), sort_keys=True) + "\n")
+    f.write(line + "\n")
     f.flush()
     os.fsync(f.fileno())
+  write_private_file(_high_water_path(path), line)
+
+
+def _high_water_path(journal_path: str) -> str:
+  return os.path.join(os.path.dirname(os.path.abspath(journal_path)), HIGH_WATER_NAME)
+
+
+def read_high_water(journal_path: str) -> JournalEntry | None:
+  """The entry of the last release begun, from the high-water mark (``None`` if absent)."""
+  path = _high_water_path(journal_path)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    try:
+      return JournalEntry(**json.loads(f.read()))
+    except (ValueError, TypeError):
+      raise ValueError(f"{path} is damaged: cannot tell how many releases were made.") from None
+
+
+def read_records(journal_path: str) -> list[JournalEntry]:
+  """The journal's entries plus those the high-water mark proves are missing from it.
+
+  When the mark's key index is above every index in the journal, the journal
+  lost its tail (truncated or deleted): each missing index becomes an entry
+  of fingerprint ``"missing"`` with the mark's settings, so it is charged,
+  never replayed.
+  """
+  entries = read_journal(journal_path)
+  mark = read_high_water(journal_path)
+  if mark is None:
+    return entries
+  last = max((e.key_index for e in entries), default=-1)
+  missing = [JournalEntry(-1, k, "missing", mark.privacy) for k in range(last + 1,
+                                                                          mark.key_index + 1)]
+  return entries + missing
+
+
+def releases_after(entries: list[JournalEntry], key_index: int) -> int:
+  """How many releases the records show at key indices ``key_index`` and above."""
+  return len({e.key_index for e in entries if e.key_index >= key_index})
+
+
+def check_settings(entries: list[JournalEntry], privacy: dict[str, Any]) -> None:
+  """Raises ValueError unless every recorded release was made under ``privacy``.
+
+  Entries written before settings were journaled (``privacy`` is ``None``)
+  cannot be checked and are refused too.
+  """
+  for entry in entries:
+    if entry.privacy is None:
+      raise ValueError(
+          f"the journal's release at key index {entry.key_index} does not record its privacy "
+          "settings, so they cannot be compared with this run's"
+      )
+    changed = {k: (entry.privacy.get(k), v) for k, v in privacy.items()
+               if entry.privacy.get(k) != v}
+    if changed:
+      raise ValueError(
+          f"the release at key index {entry.key_index} was made under other privacy settings "
+          f"(journaled, now): {changed}"
+      )
 
 
 def read_journal(path: str) -> list[JournalEntry]:

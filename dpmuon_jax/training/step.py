@@ -63,7 +63,7 @@ class PrivateStep(NamedTuple):
     (batch, mask), *extra = chunks
     overflow = self.empty_overflow(params)
     for extra_batch, extra_mask in extra:
-      overflow = overflow + self.clipped_sum(params, opt_state, extra_batch, extra_mask)
+      overflow = overflow.add_disjoint(self.clipped_sum(params, opt_state, extra_batch, extra_mask))
     return self.step(params, opt_state, batch, mask, overflow)
 
 
@@ -153,7 +153,7 @@ def make_private_step(
     return summed(read_inputs(params, opt_state), batch, mask)
 
   def step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
-    total = chunk_sum(params, opt_state, batch, mask) + overflow
+    total = chunk_sum(params, opt_state, batch, mask).add_disjoint(overflow)
     # Replicated from here on: ONE noise draw from the release's key, on the global sum.
     updates, opt_state = optimizer.update(  # the release takes the ClippedSum
         total, opt_state, params)  # pyright: ignore[reportArgumentType]

@@ -64,7 +64,14 @@ from dpmuon_jax.training.checkpoint import (
     save_checkpoint,
 )
 from dpmuon_jax.training.export import export_run
-from dpmuon_jax.training.journal import JournalEntry, append_entry, plan_resume, read_journal
+from dpmuon_jax.training.journal import (
+    JOURNAL_NAME,
+    JournalEntry,
+    append_entry,
+    check_settings,
+    plan_resume,
+    read_records,
+)
 from dpmuon_jax.training.loop import BUDGET, COMPLETED, Hooks, LoopState, run_releases
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import PrivateStep, make_private_step
@@ -312,7 +319,6 @@ def _progress(total: int, initial: int, enabled: bool):
   return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-JOURNAL_NAME = "release_journal.jsonl"
 _FINISHED = ("completed", "budget")
 # TrainConfig fields that change neither the clipped sums nor the trajectory.
 _NOT_FINGERPRINTED = (
@@ -348,17 +354,33 @@ def _library_version() -> str:
     return "unknown"
 
 
+def recorded_config(output_dir: str) -> dict | None:
+  """The settings a run in ``output_dir`` was made with (its newest checkpoint's), or ``None``.
+
+  Only what determines the run: the fields that control how it is run
+  (``--max-steps``, progress, logging, ...) are left out, so a resume states
+  them anew.
+  """
+  ckpt_dir = os.path.join(output_dir, "checkpoints")
+  step = latest_good_step(ckpt_dir)
+  if step is None:
+    return None
+  config = restore_metadata(ckpt_dir, step)["config"]
+  return {k: v for k, v in config.items() if k not in _NOT_FINGERPRINTED}
+
+
 def _resume_point(
     config: TrainConfig, ckpt_dir: str, journal_path: str, dataset_size: int
 ) -> tuple[int | None, dict | None]:
   """The checkpoint step and metadata to resume from (``None`` for a new run)."""
-  has_journal = bool(read_journal(journal_path))
+  has_journal = bool(read_records(journal_path))
   step = latest_good_step(ckpt_dir)
   if not config.resume:
     if step is not None or has_journal:
       raise TrainingError(
           f"{config.output_dir} already holds a run (checkpoints or a release journal): "
-          "pass --resume or choose another --output-dir."
+          "pass --resume to continue or finish it (it reuses the run's settings), or choose "
+          "another --output-dir for a new run."
       )
     return None, None
   if step is None:
@@ -380,6 +402,14 @@ def _resume_point(
   return step, metadata
 
 
+RESULTS_NAME = "results.json"
+
+
+def _outputs_written(output_dir: str) -> bool:
+  """Whether a run's final outputs exist (the last thing :func:`_finish` writes is results)."""
+  return os.path.exists(os.path.join(output_dir, RESULTS_NAME))
+
+
 def _finished(config: TrainConfig, metadata: dict) -> dict:
   """The results of a run that already ended (completed or stopped by its budget)."""
   ledger = PrivacyLedger.from_json(metadata["ledger"])
@@ -387,12 +417,8 @@ def _finished(config: TrainConfig, metadata: dict) -> dict:
       f"The run in {config.output_dir} already finished ({metadata['stop_reason']}) after "
       f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
   )
-  path = os.path.join(config.output_dir, "results.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  return {"stop_reason": metadata["stop_reason"], "releases": ledger.count,
-          "epsilon_spent": ledger.epsilon()}
+  with open(os.path.join(config.output_dir, RESULTS_NAME)) as f:
+    return json.load(f)
 
 
 class _Run(NamedTuple):
@@ -493,7 +519,9 @@ def _resumed_ledger(run: _Run, metadata: dict | None) -> PrivacyLedger:
   try:
     ledger.check_compatible(run.setup.ledger)
   except ValueError as error:
-    raise TrainingError(f"Refusing to resume: {error}") from None
+    raise TrainingError(f"Refusing to resume: {error}; resume with the run's own settings "
+                        "(leave them out: --resume reuses them) or choose another "
+                        "--output-dir.") from None
   return ledger
 
 
@@ -512,10 +540,25 @@ def _starting_point(run: _Run, ckpt_dir, metadata, resume_step):
 
 
 def _plan_keys(config, run: _Run, ledger, journal_path, fingerprint, start, metadata, root):
-  """Replays or charges the releases lost after the checkpoint (see training/journal.py)."""
+  """Replays or charges the releases lost after the checkpoint (see training/journal.py).
+
+  The lost releases must have been made under this run's privacy settings
+  (read from the journal); otherwise the resume is refused, with or without
+  a checkpoint. Without a checkpoint every journaled release is lost.
+  """
+  key_index = metadata.get("key_index", start) if metadata is not None else 0
+  records = read_records(journal_path)
+  lost = [e for e in records if e.key_index >= key_index]
+  try:  # after a checkpoint, entries older than journaled settings are the checkpoint's own
+    check_settings([e for e in lost if metadata is None or e.privacy is not None],
+                   ledger.config._asdict())
+  except ValueError as error:
+    raise TrainingError(
+        f"Refusing to resume: {error}. Resume with the run's own settings, or start a new "
+        "--output-dir."
+    ) from None
   plan = plan_resume(
-      read_journal(journal_path), start,
-      metadata.get("key_index", start) if metadata is not None else 0, fingerprint,
+      records, start, key_index, fingerprint,
       # Secure noise comes from OS entropy at every release: it never replays.
       replayable=(metadata is not None or root.seeded) and not config.secure_noise,
   )
@@ -546,9 +589,15 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
       jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
   run = _build_run(config, data, root)
   ledger = _resumed_ledger(run, metadata)
-  if metadata is not None and metadata.get("stop_reason") in _FINISHED:
+  finished = metadata is not None and metadata.get("stop_reason") in _FINISHED
+  if finished and _outputs_written(config.output_dir):
     return _finished(config, metadata)
   params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
+  if finished:  # stopped after its final checkpoint, before its outputs: write them now
+    assert metadata is not None
+    state = LoopState(params, opt_state, start, metadata["key_index"])
+    return _finish(config, run, ledger, history, state, metadata["stop_reason"], 0.0, start,
+                   root.seeded)
   fingerprint = run_fingerprint(config, data)
   plan = _plan_keys(config, run, ledger, journal_path, fingerprint, start, metadata, root)
   check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
@@ -562,7 +611,8 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   bar = _progress(run.end, start, config.progress and is_primary())
   tracker = _open_tracker(config.log_dir if is_primary() else None, start)
   hooks = Hooks(
-      before=(lambda s: append_entry(journal_path, JournalEntry(s.step, s.key_index, fingerprint)))
+      before=(lambda s: append_entry(journal_path, JournalEntry(
+          s.step, s.key_index, fingerprint, ledger.config._asdict())))
       if is_primary() else None,
       after=_after_release(config, run, ledger, history, bar, save, tracker),
   )
@@ -690,17 +740,21 @@ def _results(config, setup, ledger, history, stop_reason, elapsed, steps_run,
       "guarantee": (
           "per run, add/remove-one adjacency; hyperparameter search across runs is not covered"
       ),
-      "config": dataclasses.asdict(config),
+      # The seed is the root key of a seeded run: it stays in the owner-only checkpoints.
+      "config": {**dataclasses.asdict(config), "seed": None},
   }
 
 
 def _write_outputs(output_dir: str, results: dict, history: list[dict], plot: bool) -> None:
-  with open(os.path.join(output_dir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  """history.csv, the plot, then results.json (atomically, last: it marks the outputs done)."""
   fields = sorted({k for h in history for k in h}, key=lambda k: (k != "step", k))
   write_csv(os.path.join(output_dir, "history.csv"), history, fields)
   if plot:
     _plot(output_dir, history)
+  path = os.path.join(output_dir, RESULTS_NAME)
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f, indent=2)
+  os.replace(path + ".tmp", path)
 
 
 def _plot(output_dir: str, history: list[dict]) -> None:
