@@ -164,6 +164,8 @@ def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys)
 
 _BAD_NUMBERS = [
     (["audit", "--epsilon", "-1"], "--epsilon"),
+    (["train", "--fallback-lr", "-0.1"], "--fallback-lr"),
+    (["train", "--fallback-lr", "nan"], "--fallback-lr"),
     (["audit", "--epsilon", "inf"], "--epsilon"),
     (["audit", "--delta", "1"], "--delta"),
     (["audit", "--sampling-rate", "2"], "--sampling-rate"),

@@ -186,6 +186,8 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
     checks.check_positive("--clip", config.clip)
     if config.learning_rate is not None:  # 0 is refused: it would silently mean the preset
       checks.check_positive("--lr", config.learning_rate)
+    if config.fallback_learning_rate is not None:
+      checks.check_nonnegative("--fallback-lr", config.fallback_learning_rate)
     checks.check_in_range("warmup_fraction", config.warmup_fraction, 0.0, 1.0, True, False)
     if config.noise_multiplier is not None:
       checks.check_nonnegative("--noise-multiplier", config.noise_multiplier)
