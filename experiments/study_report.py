@@ -325,7 +325,8 @@ def plot(study: Study, summary: list[dict], path: str) -> None:
   ax.set_xlabel("expected batch size B")
   ax.set_ylabel("test accuracy (%)")
   ax.set_title(f"{study.name}: ε = {study.epsilon:g}, mean ± std over seeds", fontsize=9)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:  # no line before any arm has its seeds
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
