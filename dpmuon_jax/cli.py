@@ -135,6 +135,10 @@ def _add_train(sub) -> None:
                      "about epochs/q releases of Poisson-sampled batches")
   train.add_argument("--lr", dest="learning_rate", type=float, default=None,
                      help="peak learning rate (default: the optimizer's paper preset)")
+  train.add_argument("--fallback-lr", dest="fallback_learning_rate", type=float, default=None,
+                     help="Muon family: peak learning rate of the group Muon does not take "
+                     "(biases, norm scales), on the same schedule (default: the preset's, "
+                     "DP-SGD's rate)")
   _add_clipping_arguments(train)
   train.add_argument("--augment", action="store_true", help="random crop and flip per example")
   train.add_argument("--noise-multiplier", type=float, default=None,

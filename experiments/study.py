@@ -3,12 +3,24 @@
 A :class:`Study` is a list of :class:`Arm` s (optimizer × expected batch size
 × training length × clipping style). Every arm gets the same learning-rate
 rule: a ×``grid_factor``-spaced grid of ``grid_points`` rates around the arm's
-``lr_center``, each trained once (seed ``seeds[0]``) and scored by the final
+``lr_center``, each trained once (the selection seed) and scored by the final
 accuracy on a validation split held out from the training images; while the
 best rate lies on the grid's edge the grid grows by one step on that side (at
 most ``max_extensions`` times). The chosen rate is then trained with the
-remaining seeds. Test accuracy is measured once, on the final parameters of
+reported seeds. With ``Study.selection_seed`` set, that seed selects and is
+never reported; without it (the earlier protocol) ``seeds[0]`` selects and is
+reported too. Test accuracy is measured once, on the final parameters of
 every run, and never used for a choice.
+
+Two choices beyond the learning rate:
+
+* arms that differ only in their ``variant`` (e.g. DiSK's κ) form one
+  selection group: each runs its own grid, and only the variant whose chosen
+  rate scored best on validation trains the reported seeds;
+* an arm with ``fallback_lr_from`` (a Muon-family arm) gives the group Muon
+  does not take (biases, norm scales) the rate chosen for that other arm
+  (e.g. DP-SGD's at the same B: paper 1 keeps DP-SGD with momentum for the
+  1-D parameters); it starts once that rate is chosen.
 
 The selection reads the validation split, which is part of the private
 training data: the per-run (ε, δ) of each row does NOT cover the search.
@@ -38,7 +50,7 @@ import numpy as np
 RUN_FIELDS = (
     "arm", "optimizer", "batch_size", "clipping", "epochs", "learning_rate", "seed",
     "noise_multiplier", "epsilon_spent", "delta", "releases", "final_val_accuracy",
-    "best_val_accuracy", "test_accuracy", "seconds",
+    "best_val_accuracy", "test_accuracy", "seconds", "fallback_learning_rate",
 )
 
 
@@ -48,7 +60,11 @@ class Arm:
 
   ``epochs`` fixes the training length; ``releases`` instead fixes the number
   of releases T (then epochs = T·B/N). ``options`` go to the optimizer
-  factory (e.g. ``{"buffer": "ema"}``).
+  factory (e.g. ``{"buffer": "ema"}``). ``variant`` names an option setting
+  that competes with the arm's other variants (see the module docstring);
+  ``fallback_lr_from`` names the arm whose chosen rate the 1-D group runs
+  (filled into ``fallback_learning_rate`` when known); arms of lower
+  ``priority`` train first.
   """
 
   optimizer: str
@@ -59,11 +75,21 @@ class Arm:
   clipping: str = "flat"
   options: tuple[tuple[str, object], ...] = ()
   label: str = "main"
+  variant: str = ""
+  fallback_lr_from: str | None = None
+  fallback_learning_rate: float | None = None
+  priority: int = 0
 
   @property
   def name(self) -> str:
     suffix = "" if self.label == "main" else f"_{self.label}"
-    return f"{self.optimizer}_B{self.batch_size}{suffix}"
+    variant = f"_{self.variant}" if self.variant else ""
+    return f"{self.optimizer}_B{self.batch_size}{suffix}{variant}"
+
+  @property
+  def group(self) -> tuple:
+    """The selection group: arms equal in all but their variant."""
+    return self.optimizer, self.batch_size, self.label, self.clipping, self.epochs, self.releases
 
   def training_epochs(self, num_train: int) -> float:
     if (self.epochs is None) == (self.releases is None):
@@ -103,6 +129,7 @@ class Study:
   delta: float = 1e-5
   clip: float = 1.0
   seeds: tuple[int, ...] = (42, 43, 44)
+  selection_seed: int | None = None
   grid_points: int = 3
   grid_factor: float = 3.0
   max_extensions: int = 2
@@ -119,8 +146,18 @@ def _lr(center: float, factor: float, k: int) -> float:
   return float(f"{center * factor ** k:.4g}")
 
 
+def selection_seed(study: Study) -> int:
+  """The seed every grid point trains with."""
+  return study.seeds[0] if study.selection_seed is None else study.selection_seed
+
+
+def reported_seeds(study: Study) -> tuple[int, ...]:
+  """The seeds the chosen rate trains with (the selection seed only in the earlier protocol)."""
+  return tuple(s for s in study.seeds if study.selection_seed is None or s != study.selection_seed)
+
+
 def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], float | None]:
-  """(rates still to train at seed ``seeds[0]``, the chosen rate or ``None`` yet).
+  """(rates still to train at the selection seed, the chosen rate or ``None`` yet).
 
   The grid starts at offsets −(p−1)/2 … (p−1)/2 around ``lr_center``; while the
   best validation accuracy is at an edge it extends by one step on that side.
@@ -128,7 +165,7 @@ def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], f
   half = (study.grid_points - 1) // 2
   offsets = list(range(-half, study.grid_points - half))
   scores = {float(r["learning_rate"]): float(r["final_val_accuracy"]) for r in rows
-            if r["arm"] == arm.name and int(r["seed"]) == study.seeds[0]}
+            if r["arm"] == arm.name and int(r["seed"]) == selection_seed(study)}
   for _ in range(study.max_extensions + 1):
     rates = {k: _lr(arm.lr_center, study.grid_factor, k) for k in offsets}
     missing = [lr for lr in rates.values() if lr not in scores]
@@ -144,25 +181,72 @@ def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], f
   return [], rates[best]  # still on the edge after every extension: said in the summary
 
 
+def find_arm(study: Study, name: str) -> Arm:
+  """The study's arm called ``name``."""
+  for arm in study.arms:
+    if arm.name == name:
+      return arm
+  raise ValueError(f"{study.name} has no arm {name!r}.")
+
+
+def resolved(study: Study, arm: Arm, rows: list[dict]) -> Arm | None:
+  """``arm`` with its 1-D group's rate filled in (``None`` while that rate is not chosen)."""
+  if arm.fallback_lr_from is None:
+    return arm
+  _, chosen = grid_state(study, find_arm(study, arm.fallback_lr_from), rows)
+  return None if chosen is None else dataclasses.replace(arm, fallback_learning_rate=chosen)
+
+
+def _selection_score(study: Study, arm: Arm, chosen: float, rows: list[dict]) -> float:
+  return max(float(r["final_val_accuracy"]) for r in rows
+             if r["arm"] == arm.name and int(r["seed"]) == selection_seed(study)
+             and float(r["learning_rate"]) == chosen)
+
+
+def selected_variant(study: Study, arm: Arm, rows: list[dict]) -> Arm | None:
+  """The arm of ``arm``'s selection group whose chosen rate scored best (``None``: not yet).
+
+  Ties go to the arm listed first. An arm without a variant is its own group.
+  """
+  if not arm.variant:
+    return arm
+  best, best_score = None, -math.inf
+  for other in study.arms:
+    if other.group != arm.group or not other.variant:
+      continue
+    _, chosen = grid_state(study, other, rows)
+    if chosen is None:
+      return None
+    score = _selection_score(study, other, chosen, rows)
+    if score > best_score:
+      best, best_score = other, score
+  return best
+
+
 def ready_runs(study: Study, rows: list[dict]) -> Iterator[tuple[Arm, float, int]]:
   """Every (arm, learning rate, seed) that can be trained now, in arm order.
 
   A privately tuned arm yields (arm, ``math.nan``, seed): its rate is chosen inside the run.
+  An arm waiting for its 1-D group's rate yields nothing yet; the yielded arm carries that
+  rate in ``fallback_learning_rate``.
   """
   for arm in study.arms:
     if isinstance(arm, PrivatelyTunedArm):
       done = {int(r["seed"]) for r in rows if r["arm"] == arm.name}
       yield from ((arm, math.nan, seed) for seed in study.seeds if seed not in done)
       continue
+    ready = resolved(study, arm, rows)
+    if ready is None:
+      continue
     pending, chosen = grid_state(study, arm, rows)
     for lr in pending:
-      yield arm, lr, study.seeds[0]
-    if chosen is not None:
+      yield ready, lr, selection_seed(study)
+    if chosen is not None and selected_variant(study, arm, rows) == arm:
       done = {int(r["seed"]) for r in rows
               if r["arm"] == arm.name and float(r["learning_rate"]) == chosen}
-      for seed in study.seeds:
+      for seed in reported_seeds(study):
         if seed not in done:
-          yield arm, chosen, seed
+          yield ready, chosen, seed
 
 
 # ---------------------------------------------------------------------------
@@ -208,7 +292,8 @@ def _config(study: Study, arm: Arm, lr: float | None, seed: int, directory: str,
       model=study.model, dataset=study.dataset, optimizer=arm.optimizer,
       optimizer_options=dict(arm.options), epsilon=study.epsilon, delta=study.delta,
       batch_size=arm.batch_size, epochs=arm.training_epochs(num_train),
-      learning_rate=lr, warmup_fraction=study.warmup_fraction, clip=study.clip,
+      learning_rate=lr, fallback_learning_rate=arm.fallback_learning_rate,
+      warmup_fraction=study.warmup_fraction, clip=study.clip,
       clipping=arm.clipping, seed=seed, output_dir=directory, resume=resume,
       microbatch_size=study.microbatch_size, progress=False, plot=False, max_steps=max_steps,
       model_overrides=dict(study.model_overrides),
@@ -241,7 +326,7 @@ def tune_one(study: Study, arm: PrivatelyTunedArm, seed: int, out: str, data_dir
       "delta": summary["delta"], "releases": selected["releases"],
       "final_val_accuracy": summary["score"], "best_val_accuracy": summary["score"],
       "test_accuracy": selected["final_test_accuracy"],
-      "seconds": time.perf_counter() - start,
+      "seconds": time.perf_counter() - start, "fallback_learning_rate": "",
   }
 
 
@@ -268,7 +353,7 @@ def train_one(study: Study, arm: Arm, lr: float, seed: int, out: str,
       "delta": study.delta, "releases": results["releases"],
       "final_val_accuracy": results["final_test_accuracy"],
       "best_val_accuracy": results["best_test_accuracy"], "test_accuracy": test_accuracy,
-      "seconds": seconds,
+      "seconds": seconds, "fallback_learning_rate": arm.fallback_learning_rate or "",
   }
 
 
@@ -303,10 +388,17 @@ def read_rows(path: str) -> list[dict]:
 
 
 def append_row(path: str, row: dict) -> None:
-  """Appends one finished run to ``runs.csv``, durably (``records.append_csv_row``)."""
+  """Appends one finished run to ``runs.csv``, durably (``records.append_csv_row``).
+
+  A file written before a column existed keeps its header (the new column is dropped).
+  """
   from dpmuon_jax.training.records import append_csv_row
 
-  append_csv_row(path, row, RUN_FIELDS)
+  fields = RUN_FIELDS
+  if os.path.exists(path):
+    with open(path, newline="") as f:
+      fields = tuple(next(csv.reader(f), RUN_FIELDS))
+  append_csv_row(path, {k: v for k, v in row.items() if k in fields}, fields)
 
 
 def _key(arm: Arm, lr: float, seed: int) -> tuple[str, str, int]:
@@ -317,14 +409,18 @@ def _worker_init() -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def restart_first(runs: Iterable[tuple[Arm, float, int]]) -> list[tuple[Arm, float, int]]:
-  """The ready runs, private selections first (stable otherwise).
+def restart_first(runs: Iterable[tuple[Arm, float, int]],
+                  selecting: int | None = None) -> list[tuple[Arm, float, int]]:
+  """The ready runs: private selections first, then by arm ``priority``, stable otherwise.
 
   A training run resumes from its checkpoint after an interruption; a private
   selection restarts whole. Starting those first loses the least work when a
-  sitting ends mid-study.
+  sitting ends mid-study. Within a priority, the grid points (seed
+  ``selecting``) come before the reported seeds, so that every choice of that
+  priority is made before its reported runs.
   """
-  return sorted(runs, key=lambda run: not isinstance(run[0], PrivatelyTunedArm))
+  return sorted(runs, key=lambda run: (not isinstance(run[0], PrivatelyTunedArm),
+                                       run[0].priority, run[2] != selecting))
 
 
 def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
@@ -340,7 +436,7 @@ def run_study(study: Study, out: str, data_dir: str | None, workers: int = 1,
                                    initializer=_worker_init) as pool:
     while True:
       busy = set(running.values())
-      for arm, lr, seed in restart_first(ready_runs(study, rows)):
+      for arm, lr, seed in restart_first(ready_runs(study, rows), selection_seed(study)):
         if len(running) >= workers or (max_runs is not None and started >= max_runs):
           break
         if _key(arm, lr, seed) in busy:

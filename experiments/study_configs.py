@@ -45,6 +45,65 @@ def _fixed_release_arms() -> tuple[Arm, ...]:
                if a.batch_size != BATCH_SIZES[0])  # at B = 4096, 6 epochs are 66 releases
 
 
+# ---------------------------------------------------------------------------
+# paper1_ablation: paper 1's whole ablation table, selection seed apart.
+
+ABLATION_BATCH_SIZES = (256, 4096, 1024)  # in this order: the ends of the rule first
+DECISION_BATCH_SIZES = (256, 4096, 1024, 2048)  # DP-SGD and DP-Muon
+SELECTION_SEED = 41
+REPORTED_SEEDS = (42, 43, 44)
+MUON_FAMILY = ("dp_muon", "dp_muon_s", "dp_disk_muon", "dp_doppler_muon")
+
+# DiSK's (κ, γ) tried (white-noise variance gain κ/(2−κ) in brackets): paper 2's KF baseline
+# (0.5, 0.8) [1/3], the DiSK paper's and its authors' library default (0.7, 0.5) [0.54], and
+# κ = 1, no filter and the plain gradient query [1] (DiSK-SGD: DP-SGD without momentum;
+# DiSK-Muon: DP-Muon itself, so not run). Paper 1's κ = 1.5 [3] is the earlier study's.
+DISK_SETTINGS = {0.5: 0.8, 0.7: 0.5, 1.0: 0.5}
+DISK_SGD_KAPPAS = (0.5, 0.7, 1.0)
+DISK_MUON_KAPPAS = (0.5, 0.7)
+DISK_KAPPA_BATCH_SIZES = (1024, 4096)  # κ selected here; B = 256 runs the DiSK default 0.7
+DISK_DEFAULT_KAPPA = 0.7
+
+
+def _ablation_arm(optimizer: str, b: int, priority: int, **kw) -> Arm:
+  """One arm; a Muon-family arm's 1-D group runs its SGD row's chosen rate (same B and length).
+
+  That row is DP-SGD (paper 1: "standard DP-SGD with momentum is retained for 1D
+  parameters"), except for DOPPLER-Muon, whose 1-D group is DOPPLER-SGD (its preset).
+  """
+  label = kw.get("label", "main")
+  source = None
+  if optimizer in MUON_FAMILY:
+    row = "dp_doppler_sgd" if optimizer == "dp_doppler_muon" else "dp_sgd"
+    source = Arm(row, b, 0.0, label=label).name
+  return Arm(optimizer, b, _center(optimizer), fallback_lr_from=source, priority=priority, **kw)
+
+
+def _disk_arms(optimizer: str, grid: tuple[float, ...], priority: int) -> list[Arm]:
+  arms = []
+  for b in ABLATION_BATCH_SIZES:
+    kappas = grid if b in DISK_KAPPA_BATCH_SIZES else (DISK_DEFAULT_KAPPA,)
+    for kappa in kappas:
+      options = (("kappa", kappa), ("gamma", DISK_SETTINGS[kappa]))
+      arms.append(_ablation_arm(optimizer, b, priority, epochs=EPOCHS, options=options,
+                                variant=f"k{kappa:g}" if len(kappas) > 1 else ""))
+  return arms
+
+
+def _ablation_arms() -> tuple[Arm, ...]:
+  """In priority order: what the decision rule reads, the other rows, the second view, DiSK."""
+  decision = [_ablation_arm(o, b, 0, epochs=EPOCHS)
+              for o in ("dp_sgd", "dp_muon") for b in DECISION_BATCH_SIZES]
+  others = [_ablation_arm(o, b, 1, epochs=EPOCHS)
+            for o in ("dp_muon_s", "dp_doppler_sgd", "dp_doppler_muon")
+            for b in ABLATION_BATCH_SIZES]
+  fixed = [_ablation_arm(o, b, 2, releases=RELEASES, label=f"T{RELEASES}")
+           for o in ("dp_sgd", "dp_muon") for b in DECISION_BATCH_SIZES if b != 4096]
+  disk = _disk_arms("dp_disk_sgd", DISK_SGD_KAPPAS, 3) + _disk_arms("dp_disk_muon",
+                                                                 DISK_MUON_KAPPAS, 3)
+  return tuple(decision + others + fixed + disk)
+
+
 STUDIES: dict[str, Study] = {
     "batch_size_study": Study(
         "batch_size_study",
@@ -57,5 +116,14 @@ STUDIES: dict[str, Study] = {
                               label="private_tuning"),
         ),
         model_overrides=(("groups", 8), ("conv_impl", "patches")),
+    ),
+    "paper1_ablation": Study(
+        "paper1_ablation",
+        "paper 1's ablation table and batch-size effect at CPU scale: 1-D groups at DP-SGD's "
+        "rate, DiSK's κ selected, selection seed never reported",
+        arms=_ablation_arms(),
+        model_overrides=(("groups", 8), ("conv_impl", "patches")),
+        seeds=REPORTED_SEEDS,
+        selection_seed=SELECTION_SEED,
     ),
 }

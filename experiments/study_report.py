@@ -3,16 +3,26 @@
 Writes into the study's folder:
 
 * ``summary.csv``: per arm, the grid (learning rate → final validation
-  accuracy), the chosen rate, whether it is still on the grid's edge, and the
-  test accuracy over seeds (mean ± std) with the largest ε any run spent;
+  accuracy), the chosen rate, whether it is still on the grid's edge, the 1-D
+  group's rate, DiSK's κ with its white-noise variance gain κ/(2−κ) and
+  whether the arm won its selection group, and the test accuracy over the
+  reported seeds (mean ± std) with the largest ε any run spent;
 * ``gaps.csv``: per batch size and training length, each optimizer's test
   accuracy minus DP-SGD's, with the standard error sqrt(s₁²/n₁ + s₂²/n₂);
+* ``paired_gaps.csv``: the same differences paired by seed: each seed's
+  d_s, their mean and the paired standard error sd(d)/√n;
+* ``decision.csv``: the pre-registered rule on DP-Muon − DP-SGD at a fixed
+  number of epochs (:func:`decision`);
+* ``predictor.csv``: per B and training length, the recovery-threshold
+  prediction next to the observed paired gap (:func:`predictor_rows`);
+* ``ablation.csv``: paper 1's ablation table laid out as the paper's, this
+  study's test accuracy beside paper 1's (:data:`PAPER1_TABLE`);
 * ``accuracy_vs_batch.png``: test accuracy against B per optimizer, error
   bars = std over seeds (solid: fixed epochs; dashed: fixed releases);
 * ``threshold_report.csv``: NON-PRIVATE analysis of paper 1's recovery
   threshold on the mean CLIPPED gradient (the signal the release averages)
   per layer, at initialisation and at the end of the DP-SGD and DP-Muon runs
-  (seed ``seeds[0]``, chosen rate) of every batch size.
+  (selection seed, chosen rate) of every batch size and training length.
 """
 
 from __future__ import annotations
@@ -30,31 +40,79 @@ from experiments.study import (
     final_params,
     grid_state,
     mean_std,
+    reported_seeds,
+    resolved,
     run_dir,
+    selected_variant,
+    selection_seed,
     split_data,
 )
 
 PROBE_SIZE = 1024
 PRIVATE_LABEL = "private_tuning"
 
+# Paper 1 ("Spectral Gradient Orthogonalization Improves Differentially Private Training at
+# Scale"): CIFAR-10, WRN-16-4, ε = 4, test accuracy (%) mean ± std over 3 seeds; the ablation
+# table (B = 256 / 1024 / 4096) and, for DP-Muon-S and B = 2048, the main table.
+PAPER1_TABLE: dict[tuple[str, int], tuple[float, float]] = {
+    ("dp_sgd", 256): (39.4, 1.2), ("dp_sgd", 1024): (39.7, 2.6), ("dp_sgd", 2048): (37.0, 2.6),
+    ("dp_sgd", 4096): (39.3, 0.3),
+    ("dp_disk_sgd", 256): (49.0, 2.8), ("dp_disk_sgd", 1024): (46.7, 1.3),
+    ("dp_disk_sgd", 4096): (39.9, 0.6),
+    ("dp_doppler_sgd", 256): (37.7, 2.0), ("dp_doppler_sgd", 1024): (39.3, 2.0),
+    ("dp_doppler_sgd", 4096): (32.3, 1.1),
+    ("dp_muon", 256): (39.0, 0.5), ("dp_muon", 1024): (43.3, 1.6), ("dp_muon", 2048): (47.3, 1.8),
+    ("dp_muon", 4096): (48.7, 0.6),
+    ("dp_disk_muon", 256): (41.7, 2.7), ("dp_disk_muon", 1024): (48.8, 1.0),
+    ("dp_disk_muon", 4096): (45.8, 1.2),
+    ("dp_doppler_muon", 256): (40.1, 1.6), ("dp_doppler_muon", 1024): (44.9, 2.0),
+    ("dp_doppler_muon", 4096): (50.3, 1.0),
+    ("dp_muon_s", 256): (38.7, 1.0), ("dp_muon_s", 1024): (44.5, 2.9),
+    ("dp_muon_s", 2048): (47.8, 1.7), ("dp_muon_s", 4096): (46.3, 0.8),
+}
+PAPER1_ROWS = ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
+               "dp_doppler_muon", "dp_muon_s")
+
 
 def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
   return [r for r in rows if r["arm"] == arm.name]
 
 
-def arm_summary(study: Study, arm: Arm, rows: list[dict]) -> dict:
-  """One arm's grid, chosen rate and test accuracy over the chosen rate's seeds."""
+def noise_variance_gain(kappa: float) -> float:
+  """κ/(2−κ): the stationary variance of DiSK's g_t = (1−κ)g_{t−1} + κw_t per unit of white w_t.
+
+  Σ_k κ²(1−κ)^{2k} = κ²/(1 − (1−κ)²) = κ/(2−κ), for κ in (0, 2).
+  """
+  return kappa / (2.0 - kappa)
+
+
+def reported_rows(study: Study, arm: Arm, rows: list[dict]) -> list[dict]:
+  """The arm's runs at its chosen rate on the reported seeds (none if it lost its group)."""
   mine = _arm_rows(arm, rows)
   if isinstance(arm, PrivatelyTunedArm):  # one private selection per seed, rates may differ
-    grid, chosen, seeds = [], None, mine
+    return mine
+  _, chosen = grid_state(study, arm, rows)
+  if chosen is None or selected_variant(study, arm, rows) != arm:
+    return []
+  return [r for r in mine if float(r["learning_rate"]) == chosen
+          and int(r["seed"]) in reported_seeds(study)]
+
+
+def arm_summary(study: Study, arm: Arm, rows: list[dict]) -> dict:
+  """One arm's grid, chosen rate and test accuracy over the chosen rate's reported seeds."""
+  mine = _arm_rows(arm, rows)
+  if isinstance(arm, PrivatelyTunedArm):
+    grid, chosen = [], None
   else:
     grid = sorted((float(r["learning_rate"]), float(r["final_val_accuracy"])) for r in mine
-                  if int(r["seed"]) == study.seeds[0])
+                  if int(r["seed"]) == selection_seed(study))
     _, chosen = grid_state(study, arm, rows)
-    seeds = [r for r in mine if chosen is not None and float(r["learning_rate"]) == chosen]
+  seeds = reported_rows(study, arm, rows)
   tests = [float(r["test_accuracy"]) for r in seeds]
   mean, std = mean_std(tests) if tests else (math.nan, math.nan)
   on_edge = bool(grid) and chosen in (grid[0][0], grid[-1][0])
+  kappa = dict(arm.options).get("kappa")
+  ready = resolved(study, arm, rows)
   return {
       "arm": arm.name, "optimizer": arm.optimizer, "batch_size": arm.batch_size,
       "label": arm.label, "clipping": arm.clipping,
@@ -63,6 +121,11 @@ def arm_summary(study: Study, arm: Arm, rows: list[dict]) -> dict:
       "grid": " ".join(f"{lr:g}:{acc:.4f}" for lr, acc in grid),
       "chosen_learning_rate": " ".join(r["learning_rate"] for r in seeds) if chosen is None
       else chosen, "chosen_on_edge": on_edge,
+      "fallback_learning_rate": "" if ready is None or ready.fallback_learning_rate is None
+      else ready.fallback_learning_rate,
+      "kappa": "" if kappa is None else kappa,
+      "noise_variance_gain": "" if kappa is None else noise_variance_gain(float(kappa)),
+      "selected": chosen is not None and selected_variant(study, arm, rows) == arm,
       "seeds": len(tests), "test_accuracy_mean": mean, "test_accuracy_std": std,
       "max_epsilon_spent": max((float(r["epsilon_spent"]) for r in mine), default=math.nan),
   }
@@ -93,6 +156,119 @@ def gap_rows(summary: list[dict], baseline: str = "dp_sgd") -> list[dict]:
   return out
 
 
+def paired_gap_rows(study: Study, rows: list[dict], baseline: str = "dp_sgd") -> list[dict]:
+  """Each reported arm minus ``baseline`` at the same B, label and clipping, paired by seed.
+
+  d_s = test accuracy of the arm's seed s − the baseline's seed s, over the seeds both
+  have; ``gap`` = mean d_s, ``paired_standard_error`` = sd(d_s)/√n.
+  """
+  base = {(a.batch_size, a.label, a.clipping): a for a in study.arms
+          if a.optimizer == baseline and not a.variant}
+  out = []
+  for arm in study.arms:
+    b = base.get((arm.batch_size, arm.label, arm.clipping))
+    if b is None or b is arm:
+      continue
+    diffs = _paired(study, arm, b, rows)
+    if len(diffs) < 2:
+      continue
+    gap, sd = mean_std(list(diffs.values()))
+    out.append({"batch_size": arm.batch_size, "label": arm.label, "arm": arm.name,
+                "baseline": b.name, "gap": gap, "paired_standard_error": sd / math.sqrt(len(diffs)),
+                "seeds": len(diffs),
+                "per_seed": " ".join(f"{s}:{d:+.4f}" for s, d in sorted(diffs.items()))})
+  return out
+
+
+def _paired(study: Study, arm: Arm, base: Arm, rows: list[dict]) -> dict[int, float]:
+  mine = {int(r["seed"]): float(r["test_accuracy"]) for r in reported_rows(study, arm, rows)}
+  theirs = {int(r["seed"]): float(r["test_accuracy"]) for r in reported_rows(study, base, rows)}
+  return {s: mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))}
+
+
+def decision(study: Study, rows: list[dict], label: str = "main") -> dict | None:
+  """The pre-registered rule on d_s(B) = DP-Muon − DP-SGD at seed s, arms labelled ``label``.
+
+  Holds if gap(B) = mean_s d_s(B) rises strictly over the B's in increasing order, the
+  d_s at the largest B all have one sign, and gap(B_max) − gap(B_min) > 3 SE with
+  SE = sd_s(d_s(B_max) − d_s(B_min))/√n. ``None`` until every B has ≥ 2 paired seeds.
+  """
+  pairs = {}
+  for arm in study.arms:
+    if arm.optimizer == "dp_muon" and arm.label == label and arm.clipping == "flat":
+      base = next((a for a in study.arms if a.optimizer == "dp_sgd" and a.label == label
+                   and a.batch_size == arm.batch_size and a.clipping == "flat"), None)
+      if base is not None:
+        pairs[arm.batch_size] = _paired(study, arm, base, rows)
+  if len(pairs) < 2 or any(len(d) < 2 for d in pairs.values()):
+    return None
+  sizes = sorted(pairs)
+  gaps = [float(np.mean(list(pairs[b].values()))) for b in sizes]
+  low, high = pairs[sizes[0]], pairs[sizes[-1]]
+  common = sorted(set(low) & set(high))
+  change = [high[s] - low[s] for s in common]
+  se = float(np.std(change, ddof=1)) / math.sqrt(len(change)) if len(change) > 1 else math.nan
+  rises = all(a < b for a, b in zip(gaps, gaps[1:]))
+  signs = {np.sign(d) for d in high.values()}
+  one_sign = len(signs) == 1 and 0 not in signs
+  beyond = gaps[-1] - gaps[0] > 3 * se
+  return {"label": label, "batch_sizes": " ".join(map(str, sizes)),
+          "gaps": " ".join(f"{g:+.4f}" for g in gaps), "rises": rises,
+          "seeds_at_largest_b": " ".join(f"{s}:{d:+.4f}" for s, d in sorted(high.items())),
+          "one_sign_at_largest_b": one_sign, "change": gaps[-1] - gaps[0],
+          "paired_standard_error_of_change": se, "change_exceeds_3_se": beyond,
+          "holds": rises and one_sign and beyond}
+
+
+def predictor_rows(study: Study, rows: list[dict], report: list[dict]) -> list[dict]:
+  """Per B and length: the recovery-threshold prediction beside the observed paired gap.
+
+  Predicted to help (gap > 0) when more than half of the routed layers are above the
+  threshold at initialisation (``threshold_report``, with that arm's σ); a hit when the
+  observed mean paired DP-Muon − DP-SGD gap has the predicted sign (> 0 vs ≤ 0).
+  """
+  gaps = {(g["batch_size"], g["label"]): g for g in paired_gap_rows(study, rows)
+          if g["arm"].startswith("dp_muon_B")}
+  out = []
+  for (b, label), g in sorted(gaps.items()):
+    init = [r for r in report if r["batch_size"] == b and r["label"] == label
+            and r["params"] == "init"]
+    end = [r for r in report if r["batch_size"] == b and r["label"] == label
+           and r["params"] == "end" and r["params_from"].startswith("dp_muon")]
+    if not init:
+      continue
+    above = sum(bool(r["above_threshold"]) for r in init)
+    helps = 2 * above > len(init)
+    at_end = sum(bool(r["above_threshold"]) for r in end)
+    out.append({"batch_size": b, "label": label, "layers": len(init),
+                "above_at_init": above, "above_at_end": at_end,
+                "predicted": "helps" if helps else "does not help",
+                "gap": g["gap"], "paired_standard_error": g["paired_standard_error"],
+                "seeds": g["seeds"], "hit": helps == (g["gap"] > 0)})
+  return out
+
+
+def ablation_rows(summary: list[dict]) -> list[dict]:
+  """Paper 1's ablation table (and DP-Muon-S, B = 2048): this study beside paper 1, in %."""
+  mine = {(s["optimizer"], s["batch_size"]): s for s in summary
+          if s["label"] == "main" and s["clipping"] == "flat" and s["seeds"]}
+  sizes = sorted({b for _, b in PAPER1_TABLE} | {b for _, b in mine})
+  out = []
+  for optimizer in PAPER1_ROWS:
+    row = {"optimizer": optimizer}
+    for b in sizes:
+      s, paper = mine.get((optimizer, b)), PAPER1_TABLE.get((optimizer, b))
+      row[f"B{b}"] = "" if s is None else _percent(s["test_accuracy_mean"],
+                                                    s["test_accuracy_std"])
+      row[f"B{b}_paper1"] = "" if paper is None else f"{paper[0]:.1f} ± {paper[1]:.1f}"
+    out.append(row)
+  return out
+
+
+def _percent(mean: float, std: float) -> str:
+  return f"{100 * mean:.1f} ± {100 * np.nan_to_num(std):.1f}"
+
+
 def _var(s: dict) -> float:
   std = s["test_accuracy_std"]
   return 0.0 if math.isnan(std) else std ** 2
@@ -104,10 +280,24 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   gaps = gap_rows(summary)
   if gaps:
     write_csv(os.path.join(out, "gaps.csv"), gaps, tuple(gaps[0]))
+  _write(out, "paired_gaps.csv", paired_gap_rows(study, rows))
+  _write(out, "decision.csv", [d for d in (decision(study, rows, label)
+                                           for label in _labels(study)) if d])
+  _write(out, "ablation.csv", ablation_rows(summary))
   plot(study, summary, os.path.join(out, "accuracy_vs_batch.png"))
   report = threshold_report(study, rows, out, data_dir)
   if report:
     write_csv(os.path.join(out, "threshold_report.csv"), report, tuple(report[0]))
+  _write(out, "predictor.csv", predictor_rows(study, rows, report))
+
+
+def _write(out: str, name: str, table: list[dict]) -> None:
+  if table:
+    write_csv(os.path.join(out, name), table, tuple(table[0]))
+
+
+def _labels(study: Study) -> list[str]:
+  return sorted({a.label for a in study.arms if a.optimizer == "dp_muon"})
 
 
 def plot(study: Study, summary: list[dict], path: str) -> None:
@@ -135,7 +325,8 @@ def plot(study: Study, summary: list[dict], path: str) -> None:
   ax.set_xlabel("expected batch size B")
   ax.set_ylabel("test accuracy (%)")
   ax.set_title(f"{study.name}: ε = {study.epsilon:g}, mean ± std over seeds", fontsize=9)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:  # no line before any arm has its seeds
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -151,11 +342,12 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
 
   with_val, _ = split_data(study, data_dir)
   report = []
+  lengths = ("main", f"T{_fixed_releases(study)}")
   for arm in study.arms:
-    if arm.label != "main" or arm.optimizer not in ("dp_sgd", "dp_muon"):
+    if arm.label not in lengths or arm.optimizer not in ("dp_sgd", "dp_muon"):
       continue
     _, chosen = grid_state(study, arm, rows)
-    directory = None if chosen is None else run_dir(out, arm, chosen, study.seeds[0])
+    directory = None if chosen is None else run_dir(out, arm, chosen, selection_seed(study))
     if directory is None or not os.path.isdir(os.path.join(directory, "export")):
       continue
     model, loss_fn, end = final_params(study, os.path.join(directory, "export"), with_val)
@@ -165,7 +357,7 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
       for r in nonprivate_layer_report(loss_fn, params, _probe(with_val), study.clip, sigma,
                                        float(arm.batch_size), microbatch_size=256):
         report.append({
-            "batch_size": arm.batch_size, "sigma": sigma, "params": when,
+            "batch_size": arm.batch_size, "label": arm.label, "sigma": sigma, "params": when,
             "params_from": "initialisation" if when == "init" else arm.name,
             "layer": r.path, "shape": "x".join(map(str, r.shape)), "gap": r.spectrum.gap,
             "noise_norm": r.noise_norm, "snr": r.snr, "above_threshold": r.above_threshold,

@@ -242,12 +242,18 @@ def _plot(path: str, summary: list[dict], exp: Experiment) -> None:
 
 
 def run_study_command(study, args) -> int:
-  """A :mod:`experiments.study` study: train what is missing, then write its report."""
-  from experiments.study import run_study
+  """A :mod:`experiments.study` study: train what is missing, then write its report.
+
+  ``--report-only``: the report of the runs recorded so far, training nothing.
+  """
+  from experiments.study import read_rows, run_study
   from experiments.study_report import write_report
 
   out = args.out or os.path.join(os.path.dirname(__file__), "results", study.name)
-  rows = run_study(study, out, args.data_dir, workers=args.workers)
+  if args.report_only:
+    rows = read_rows(os.path.join(out, "runs.csv"))
+  else:
+    rows = run_study(study, out, args.data_dir, workers=args.workers)
   write_report(study, rows, out, args.data_dir)
   return 0
 
@@ -268,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="persistent XLA compilation cache (seeds of one run compile once)")
   parser.add_argument("--workers", type=int, default=1,
                       help="studies: runs trained side by side (separate processes)")
+  parser.add_argument("--report-only", action="store_true",
+                      help="studies: write the report of the runs recorded so far")
   args = parser.parse_args(argv)
   if args.compilation_cache:
     import jax

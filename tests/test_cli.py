@@ -181,6 +181,16 @@ def test_secure_noise_with_ghost_clipping_is_refused_in_one_line(tmp_path, capsy
   assert "--clipped-sum-method vmap" in err and "Traceback" not in err
 
 
+def test_fallback_lr_reaches_the_train_config():
+  from dpmuon_jax.cli import _parser
+  from dpmuon_jax.training.trainer import TrainConfig
+
+  args = _parser().parse_args(["train", "--optimizer", "dp_muon", "--fallback-lr", "0.9"])
+  fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+  assert TrainConfig(**fields).fallback_learning_rate == 0.9
+  assert _parser().parse_args(["train"]).fallback_learning_rate is None  # the preset's
+
+
 def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys):
   out = str(tmp_path / "run")
   first = ["train", "--max-steps", "2", "--seed", "1", "--batch-size", "64", "--epochs", "0.2",
@@ -204,6 +214,8 @@ def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys)
 
 _BAD_NUMBERS = [
     (["audit", "--epsilon", "-1"], "--epsilon"),
+    (["train", "--fallback-lr", "-0.1"], "--fallback-lr"),
+    (["train", "--fallback-lr", "nan"], "--fallback-lr"),
     (["audit", "--epsilon", "inf"], "--epsilon"),
     (["audit", "--delta", "1"], "--delta"),
     (["audit", "--sampling-rate", "2"], "--sampling-rate"),

@@ -6,9 +6,10 @@ every test parameterised over it. The list is the registry
 workload's preset options, and again on each workload whose options differ
 (e.g. paper 2's ``"paper2"`` routing with an AdamW group). A newly registered
 optimizer runs the suite without touching this file. The learning rate is
-this problem's, not the preset's.
+this problem's, not the preset's, and so is an SGD fallback group's.
 """
 
+import dataclasses
 import pickle
 
 import chex
@@ -44,6 +45,10 @@ def _make(case, noise_multiplier, key):
   name, workload = case
   release = {"l2_clip_norm": C, "noise_multiplier": noise_multiplier, "denominator": D,
              "key": key}
+  fallback = registry.preset(name, workload).kwargs.get("fallback")
+  if fallback is not None and fallback.kind == "sgd":  # its 1-D rate is this problem's too
+    return registry.build(name, LEARNING_RATE, release, workload,
+                          fallback=dataclasses.replace(fallback, learning_rate=LEARNING_RATE))
   return registry.build(name, LEARNING_RATE, release, workload)
 
 

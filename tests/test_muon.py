@@ -12,7 +12,9 @@ from optax.contrib import MuonDimensionNumbers
 from dpmuon_jax.linalg.newton_schulz import newton_schulz as _newton_schulz
 from dpmuon_jax.linalg.power_iteration import exact_top_singular, power_iteration
 from dpmuon_jax.linalg.scaling import aspect_factor, matrix_view
+from dpmuon_jax.optimizers.classic import dp_sgd
 from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
+from dpmuon_jax.optimizers.options import Fallback
 from dpmuon_jax.privacy.release import dp_release
 from dpmuon_jax.transforms.momentum import muon_momentum
 from dpmuon_jax.transforms.muon import (
@@ -260,6 +262,24 @@ def test_one_release_over_whole_tree_before_partition(make):
   kernel, _ = post.update(g["dense"]["kernel"], post.init(g["dense"]["kernel"]))
   np.testing.assert_allclose(updates["dense"]["kernel"], -0.1 * kernel, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(updates["dense"]["bias"], -0.1 * g["dense"]["bias"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [dp_muon, dp_muon_s])
+def test_1d_group_is_dp_sgd_at_its_own_learning_rate(make):
+  # Paper 1 keeps DP-SGD with momentum for the 1-D leaves: with the fallback at DP-SGD's
+  # η′ and β′, the bias updates of DP-Muon(-S) equal DP-SGD's on the same releases, step
+  # after step, whatever the Muon group's η (here 0.02 against η′ = 0.9).
+  opt = make(0.02, C, 1.0, D, key=7, fallback=Fallback(learning_rate=0.9, momentum=0.9))
+  sgd = dp_sgd(0.9, C, 1.0, D, key=7, momentum=0.9)
+  states = opt.init(PARAMS), sgd.init(PARAMS)
+  for step in range(3):
+    per_example = _per_example(seed=10 * step)
+    updates, state = opt.update(per_example, states[0], PARAMS)
+    expected, sgd_state = sgd.update(per_example, states[1], PARAMS)
+    states = state, sgd_state
+    np.testing.assert_allclose(updates["dense"]["bias"], expected["dense"]["bias"],
+                               rtol=1e-6, atol=1e-8)
+    assert not np.allclose(updates["dense"]["kernel"], expected["dense"]["kernel"])
 
 
 def test_decoupled_weight_decay_and_schedule():

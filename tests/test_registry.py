@@ -110,7 +110,8 @@ def test_paper_presets():
   assert registry.preset("dp_muon_s").learning_rate == 0.3
   assert registry.preset("dp_disk_sgd") == (1.0, {"kappa": 1.5, "gamma": -1.0})
   assert registry.preset("dp_doppler_sgd").learning_rate == 3.0
-  assert registry.preset("dp_muon_im").kwargs == {"history": 1, "decay": 0.5}
+  assert {k: v for k, v in registry.preset("dp_muon_im").kwargs.items() if k != "fallback"} == {
+      "history": 1, "decay": 0.5}
   assert registry.preset("dp_muon", registry.CIFAR100).learning_rate == 0.1
   assert registry.preset("dp_muon_s", registry.CIFAR100).learning_rate == 0.5
   assert registry.preset("dp_muon", registry.VIT_SMALL).learning_rate == 0.002
@@ -121,6 +122,21 @@ def test_paper_presets():
     assert (fallback.kind, fallback.learning_rate) == ("adamw", 0.0035)
   assert registry.names(registry.GPT2) == (
       "dp_muon", "dp_disk_muon", "dp_muon_im", "dp_disk_muon_im", "dp_muon_bc")
+
+
+def test_every_muon_family_preset_runs_its_1d_group_as_the_workloads_dp_sgd():
+  """Paper 1: "standard DP-SGD with momentum is retained for 1D parameters"."""
+  muon_family = [n for n, e in registry.OPTIMIZERS.items() if "muon" in n]
+  for name in muon_family:
+    for workload, start in registry.OPTIMIZERS[name].presets.items():
+      fallback = start.kwargs["fallback"]
+      if workload == registry.GPT2:  # paper 2's AdamW group
+        continue
+      sgd = registry.preset("dp_sgd", workload)
+      expected = ("sgd", sgd.learning_rate, sgd.kwargs["momentum"])
+      if name == "dp_doppler_muon":  # the EMA replaces all momentum: DOPPLER-SGD's step
+        expected = ("sgd", registry.preset("dp_doppler_sgd", workload).learning_rate, 0.0)
+      assert (fallback.kind, fallback.learning_rate, fallback.momentum) == expected, name
 
 
 def test_unknown_names_and_workloads_are_refused_with_the_choices():

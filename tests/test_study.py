@@ -13,12 +13,23 @@ from experiments.study import (
     Arm,
     PrivatelyTunedArm,
     Study,
+    append_row,
     grid_state,
     ready_runs,
     restart_first,
     run_study,
+    selection_seed,
 )
-from experiments.study_report import write_report
+from experiments.study_configs import STUDIES
+from experiments.study_report import (
+    ablation_rows,
+    arm_summary,
+    decision,
+    noise_variance_gain,
+    paired_gap_rows,
+    predictor_rows,
+    write_report,
+)
 
 ARM = Arm("dp_sgd", 32, 0.1, epochs=1.0)
 STUDY = Study("t", "test", (ARM,), seeds=(1, 2), grid_points=3, max_extensions=2)
@@ -26,7 +37,8 @@ STUDY = Study("t", "test", (ARM,), seeds=(1, 2), grid_points=3, max_extensions=2
 
 def _row(lr, acc, seed=1, arm=ARM):
   return {"arm": arm.name, "learning_rate": str(lr), "seed": str(seed),
-          "final_val_accuracy": str(acc)}
+          "final_val_accuracy": str(acc), "test_accuracy": str(acc), "epsilon_spent": "4",
+          "releases": "1", "noise_multiplier": "1"}
 
 
 def test_grid_starts_as_three_rates_spaced_by_three():
@@ -73,6 +85,160 @@ def test_private_selections_start_first_as_they_cannot_resume():
   assert ordered[2:] == [(ARM, lr, 1) for lr in grid_state(study, ARM, [])[0]]
 
 
+# ------------------------------------------------------ selection seed, 1-D rates, variants
+
+SGD = Arm("dp_sgd", 32, 0.1, epochs=1.0)
+MUON = Arm("dp_muon", 32, 0.02, epochs=1.0, fallback_lr_from=SGD.name, priority=1)
+APART = Study("t", "test", (SGD, MUON), seeds=(2, 3), selection_seed=1, grid_points=3)
+
+
+def _grid(arm, best, scores=(0.2, 0.5, 0.4), seed=1):
+  """A finished grid of ``arm`` whose middle rate (= ``best``) wins."""
+  rates = [float(f"{best / 3:.4g}"), best, float(f"{best * 3:.4g}")]
+  return [_row(lr, acc, seed, arm) for lr, acc in zip(rates, scores)]
+
+
+def test_selection_seed_trains_the_grid_and_is_never_reported():
+  assert selection_seed(APART) == 1 and selection_seed(STUDY) == 1  # earlier: seeds[0]
+  runs = list(ready_runs(APART, []))
+  assert {seed for _, _, seed in runs} == {1}
+  runs = list(ready_runs(APART, _grid(SGD, 0.1)))
+  assert [(a.name, lr, seed) for a, lr, seed in runs if a.name == SGD.name] == [
+      (SGD.name, 0.1, 2), (SGD.name, 0.1, 3)]
+
+
+def test_muon_arm_waits_for_dp_sgds_rate_then_runs_its_1d_group_at_it():
+  assert all(arm.name == SGD.name for arm, _, _ in ready_runs(APART, []))
+  rows = _grid(SGD, 0.1)
+  muon = [arm for arm, _, _ in ready_runs(APART, rows) if arm.name == MUON.name]
+  assert len(muon) == 3 and {arm.fallback_learning_rate for arm in muon} == {0.1}
+  # within a priority the grid comes first; the lower priority after
+  order = restart_first(ready_runs(APART, rows), selection_seed(APART))
+  assert [(a.name, seed) for a, _, seed in order] == [(SGD.name, 2), (SGD.name, 3)] + [
+      (MUON.name, 1)] * 3
+
+
+def test_variants_compete_and_only_the_best_trains_the_reported_seeds():
+  low = Arm("dp_disk_sgd", 32, 1.0, epochs=1.0, options=(("kappa", 0.5),), variant="k0.5")
+  high = Arm("dp_disk_sgd", 32, 1.0, epochs=1.0, options=(("kappa", 0.7),), variant="k0.7")
+  study = Study("t", "test", (low, high), seeds=(2, 3), selection_seed=1)
+  assert low.name == "dp_disk_sgd_B32_k0.5" and low.group == high.group
+  rows = _grid(low, 1.0, (0.2, 0.45, 0.4))
+  assert {(a.name, seed) for a, _, seed in ready_runs(study, rows)} == {(high.name, 1)}
+  rows += _grid(high, 1.0, (0.2, 0.5, 0.4))
+  assert [(a.name, lr, seed) for a, lr, seed in ready_runs(study, rows)] == [
+      (high.name, 1.0, 2), (high.name, 1.0, 3)]
+  rows += [_row(1.0, 0.5, s, high) for s in (2, 3)]
+  summaries = {a.name: arm_summary(study, a, rows) for a in (low, high)}
+  assert summaries[low.name]["seeds"] == 0 and not summaries[low.name]["selected"]
+  assert summaries[high.name]["seeds"] == 2 and summaries[high.name]["selected"]
+  assert summaries[low.name]["noise_variance_gain"] == pytest.approx(1 / 3)
+
+
+def test_noise_variance_gain_is_the_filters_white_noise_variance():
+  rng = np.random.default_rng(0)
+  for kappa in (0.5, 0.7, 1.0, 1.5):
+    w = rng.standard_normal(200_000)
+    g, out = 0.0, np.empty_like(w)
+    for i, x in enumerate(w):
+      g = (1 - kappa) * g + kappa * x
+      out[i] = g
+    # the variance estimate of 2·10⁵ correlated draws is within a few percent
+    assert np.var(out[1000:]) == pytest.approx(noise_variance_gain(kappa), rel=0.05)
+
+
+def _reported(arm, lr, accuracies, seeds=(2, 3, 4)):
+  return [_row(lr, 0.5, s, arm) | {"test_accuracy": str(a)} for s, a in zip(seeds, accuracies)]
+
+
+def _decision_study(sizes=(256, 1024, 4096)):
+  arms = []
+  for b in sizes:
+    arms += [Arm("dp_sgd", b, 0.1, epochs=1.0),
+             Arm("dp_muon", b, 0.1, epochs=1.0, fallback_lr_from=f"dp_sgd_B{b}")]
+  return Study("t", "test", tuple(arms), seeds=(2, 3, 4), selection_seed=1)
+
+
+def _decision_rows(study, gaps):
+  rows = []
+  for arm in study.arms:
+    rows += _grid(arm, 0.1)
+    base = [0.50, 0.52, 0.48]
+    d = gaps[arm.batch_size] if arm.optimizer == "dp_muon" else (0, 0, 0)
+    rows += _reported(arm, 0.1, [x + y for x, y in zip(base, d)])
+  return rows
+
+
+def test_decision_rule_holds_only_for_a_rising_one_signed_gap_beyond_3_se():
+  study = _decision_study()
+  rising = {256: (0.00, -0.01, 0.01), 1024: (0.02, 0.03, 0.02), 4096: (0.07, 0.08, 0.07)}
+  result = decision(study, _decision_rows(study, rising))
+  assert result["rises"] and result["one_sign_at_largest_b"] and result["holds"]
+  assert result["change"] == pytest.approx(np.mean(rising[4096]) - np.mean(rising[256]))
+  flat = {256: (0.00, -0.01, 0.01), 1024: (0.03, 0.03, 0.02), 4096: (0.02, 0.03, 0.02)}
+  assert not decision(study, _decision_rows(study, flat))["holds"]  # does not rise
+  mixed = {256: (0.00, -0.01, 0.01), 1024: (0.01, 0.01, 0.02), 4096: (0.09, -0.01, 0.06)}
+  result = decision(study, _decision_rows(study, mixed))
+  assert result["rises"] and not result["one_sign_at_largest_b"] and not result["holds"]
+  noisy = {256: (0.00, -0.05, 0.05), 1024: (0.01, 0.01, 0.02), 4096: (0.09, 0.01, 0.02)}
+  result = decision(study, _decision_rows(study, noisy))  # rises, one sign, within 3 SE
+  assert result["rises"] and result["one_sign_at_largest_b"]
+  assert not result["change_exceeds_3_se"] and not result["holds"]
+  gaps = {g["batch_size"]: g for g in paired_gap_rows(study, _decision_rows(study, rising))}
+  assert gaps[4096]["gap"] == pytest.approx(np.mean(rising[4096]))
+  assert gaps[4096]["paired_standard_error"] == pytest.approx(
+      np.std(rising[4096], ddof=1) / np.sqrt(3))
+
+
+def test_predictor_counts_layers_above_at_init_and_scores_the_sign():
+  study = _decision_study()
+  rows = _decision_rows(study, {256: (-0.01,) * 3, 1024: (0.01,) * 3, 4096: (0.05,) * 3})
+  report = [{"batch_size": b, "label": "main", "params": "init", "params_from": "initialisation",
+             "above_threshold": i < above} for b, above in ((256, 0), (1024, 2), (4096, 5))
+            for i in range(5)]
+  table = {r["batch_size"]: r for r in predictor_rows(study, rows, report)}
+  assert [table[b]["predicted"] for b in (256, 1024, 4096)] == [
+      "does not help", "does not help", "helps"]
+  assert [table[b]["hit"] for b in (256, 1024, 4096)] == [True, False, True]
+
+
+def test_paper1_ablation_study_is_designed_as_its_readme_says():
+  study = STUDIES["paper1_ablation"]
+  assert study.selection_seed == 41 and 41 not in study.seeds and len(study.seeds) == 3
+  names = {a.name: a for a in study.arms}
+  for optimizer in ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
+                    "dp_doppler_muon", "dp_muon_s"):
+    for b in (256, 1024, 4096):
+      assert any(a.optimizer == optimizer and a.batch_size == b and a.label == "main"
+                 for a in study.arms), (optimizer, b)
+  assert {"dp_sgd_B2048", "dp_muon_B2048"} <= set(names)
+  for arm in study.arms:  # every Muon-family arm's 1-D group runs its SGD row's choice
+    if "muon" in arm.optimizer:
+      source = names[arm.fallback_lr_from]
+      row = "dp_doppler_sgd" if arm.optimizer == "dp_doppler_muon" else "dp_sgd"
+      assert (source.optimizer, source.batch_size, source.label) == (
+          row, arm.batch_size, arm.label)
+  kappas = {dict(a.options)["kappa"] for a in study.arms if a.optimizer == "dp_disk_sgd"
+            and a.batch_size == 4096}
+  assert kappas == {0.5, 0.7, 1.0}
+  first = [a for a in study.arms if a.priority == 0]
+  assert {(a.optimizer, a.batch_size) for a in first} == {
+      (o, b) for o in ("dp_sgd", "dp_muon") for b in (256, 1024, 2048, 4096)}
+  table = ablation_rows([])
+  assert [r["optimizer"] for r in table][:6] == [
+      "dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon", "dp_doppler_muon"]
+  assert table[5]["B4096_paper1"] == "50.3 ± 1.0"
+
+
+def test_a_runs_file_keeps_its_header_when_a_column_is_added(tmp_path):
+  path = str(tmp_path / "runs.csv")
+  with open(path, "w") as f:
+    f.write("arm,seed\n")
+  append_row(path, {"arm": "a", "seed": 1, "fallback_learning_rate": 0.3})
+  with open(path) as f:
+    assert f.read().splitlines() == ["arm,seed", "a,1"]
+
+
 @pytest.fixture
 def tiny_npz(tmp_path):
   rng = np.random.default_rng(0)
@@ -116,3 +282,21 @@ def test_privately_tuned_arm_runs_one_selection_per_seed(tiny_npz, tmp_path):
   assert float(row["epsilon_spent"]) <= 4.0 + 1e-9  # the WHOLE selection's ε
   assert any(math.isclose(float(row["learning_rate"]), lr) for lr in (0.1 / 3, 0.1, 0.3))
   assert run_study(study, out, None, workers=1, max_steps=1) == [row]  # recorded: skipped
+
+
+def test_report_only_writes_the_report_of_the_runs_so_far_and_trains_nothing(
+    tiny_npz, tmp_path, monkeypatch):
+  from experiments import sweep
+
+  study = Study("tiny_report", "test", (ARM,), dataset=tiny_npz, validation_size=32,
+                seeds=(2,), selection_seed=1)
+  monkeypatch.setitem(sweep.STUDIES, study.name, study)
+  out = tmp_path / "out"
+  out.mkdir()
+  for row in _grid(ARM, 0.1):
+    append_row(str(out / "runs.csv"), row | {"optimizer": "dp_sgd", "batch_size": 32})
+  assert sweep.main([study.name, "--out", str(out), "--report-only"]) == 0
+  with open(out / "summary.csv") as f:
+    (summary,) = list(csv.DictReader(f))
+  assert summary["chosen_learning_rate"] == "0.1" and summary["seeds"] == "0"
+  assert not (out / "runs").exists()  # nothing trained

@@ -118,3 +118,20 @@ def test_init_weights_of_another_shape_are_refused(tmp_path, tiny_data):
   path.write_bytes(serialization.to_bytes(other.params))
   with pytest.raises(TrainingError, match="has shape"):
     train(_config(tmp_path, "init", init_weights=str(path), max_steps=1), tiny_data)
+
+
+def test_fallback_group_runs_its_own_rate_on_the_runs_schedule():
+  from dpmuon_jax.training.trainer import _learning_rate_schedule, _optimizer_options
+
+  steps = 100
+  config = TrainConfig(optimizer="dp_muon", learning_rate=0.05)
+  muon = _learning_rate_schedule(config, steps)
+  preset = _optimizer_options(config, steps)["fallback"]  # DP-SGD's 0.3, momentum 0.9
+  given = _optimizer_options(TrainConfig(optimizer="dp_muon", learning_rate=0.05,
+                                         fallback_learning_rate=0.9), steps)["fallback"]
+  assert preset.momentum == given.momentum == 0.9
+  for t in (0, 3, 5, 50, 99):  # the same warm-up and cosine shape, other peaks
+    np.testing.assert_allclose(preset.learning_rate(t), 0.3 / 0.05 * muon(t), rtol=1e-5)
+    np.testing.assert_allclose(given.learning_rate(t), 0.9 / 0.05 * muon(t), rtol=1e-5)
+  with pytest.raises(ValueError, match="no fallback group"):
+    _optimizer_options(TrainConfig(optimizer="dp_sgd", fallback_learning_rate=0.9), steps)

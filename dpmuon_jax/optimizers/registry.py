@@ -89,24 +89,58 @@ class Entry:
 
 
 _MOMENTUM = {"momentum": 0.9}
+_DP_SGD = {CIFAR10: 0.3, CIFAR100: 1.0, VIT_SMALL: 0.01}  # DP-SGD's preset rates, below
+
+
+_DOPPLER_SGD = 3.0  # DOPPLER-SGD's CIFAR-10 rate (paper 1, Table 15)
+
+
+def _fallback(workload: str) -> dict[str, Fallback]:
+  """Paper 1's 1-D group, "standard DP-SGD with momentum": DP-SGD's rate and β′ = 0.9.
+
+  Paper 1 (§Method) retains DP-SGD with momentum for the parameters Muon does
+  not take (biases, norm scales); so every Muon-family preset gives that group
+  the workload's DP-SGD learning rate (the trainer puts it on the run's
+  schedule) and DP-SGD's momentum. DOPPLER-Muon is the exception, see
+  :data:`_DOPPLER_FALLBACK`.
+  """
+  return {"fallback": Fallback(kind="sgd", learning_rate=_DP_SGD[workload], momentum=0.9)}
+
+
+# DOPPLER-Muon's low-pass output replaces all momentum ("EMA + UVᵀ", paper 1's Table 15), so
+# its 1-D group is DOPPLER-SGD on those leaves: no further momentum, DOPPLER-SGD's rate. (DP-SGD's
+# heavy ball after the EMA would cascade two β = 0.9 filters; without it, DP-SGD's rate would be
+# a 1/(1−β) = 10× shorter step.)
+_DOPPLER_FALLBACK = {"fallback": Fallback(kind="sgd", learning_rate=_DOPPLER_SGD, momentum=0.0)}
+
+
+# DiSK's (κ, γ), with their sources (DiSK: "Differentially Private Optimizer with Simplified
+# Kalman Filter for Noise Reduction"; its authors' code is github.com/564612540/KalmanDP):
+# * (1.5, −1): paper 1's Table 15 prints κ = 1.5 and no γ; 1.5 and γ = −1 are the defaults of
+#   the authors' command line (KalmanDP ``init_utils.py``). White-noise variance gain
+#   κ/(2−κ) = 3: the filter AMPLIFIES the release's noise.
+# * (0.7, 0.5): the DiSK paper's defaults, also those of the authors' Opacus optimizer
+#   (``KF_DPOptimizer(kappa=0.7, gamma=0.5)``) and of their GPT-2 script (``run.sh``:
+#   ``--kf --kappa 0.7 --gamma 0.5``). Gain 0.54.
+# * (0.5, 0.8): paper 2's KF baseline (appendix C). Gain 1/3.
+# The presets keep paper 1's reading; the batch-size study selects κ among these on validation.
 _DISK = DISK_PRESETS["paper1"]._asdict()  # κ = 1.5, γ = −1
 _PAPER2 = {"routing": "paper2", "fallback": Fallback(kind="adamw", learning_rate=0.0035)}
 _IM = {"history": 1, "decay": 0.5}
 
 OPTIMIZERS: dict[str, Entry] = {
     "dp_sgd": Entry(dp_sgd, "DP-SGD with heavy-ball momentum", presets={
-        CIFAR10: Preset(0.3, _MOMENTUM), CIFAR100: Preset(1.0, _MOMENTUM),
-        VIT_SMALL: Preset(0.01, _MOMENTUM)}),
+        w: Preset(lr, _MOMENTUM) for w, lr in _DP_SGD.items()}),
     "dp_adam": Entry(dp_adam, "DP-Adam", presets={
         CIFAR10: Preset(1e-3), CIFAR100: Preset(0.01), VIT_SMALL: Preset(3e-4)}),
     "dp_adamw": Entry(dp_adamw, "DP-AdamW", presets={CIFAR10: Preset(1e-3)}),
     "dp_muon": Entry(
         dp_muon, "DP-Muon: Nesterov EMA, Newton–Schulz, aspect scaling (paper 1)", presets={
-            CIFAR10: Preset(0.02), CIFAR100: Preset(0.1), VIT_SMALL: Preset(0.002),
-            GPT2: Preset(0.002, _PAPER2)}),
+            CIFAR10: Preset(0.02, _fallback(CIFAR10)), CIFAR100: Preset(0.1, _fallback(CIFAR100)),
+            VIT_SMALL: Preset(0.002, _fallback(VIT_SMALL)), GPT2: Preset(0.002, _PAPER2)}),
     "dp_muon_s": Entry(
         dp_muon_s, "DP-Muon-S: σ₁-scaled orthogonalised momentum (paper 1)", presets={
-            CIFAR10: Preset(0.3), CIFAR100: Preset(0.5)}),
+            CIFAR10: Preset(0.3, _fallback(CIFAR10)), CIFAR100: Preset(0.5, _fallback(CIFAR100))}),
     # DiSK-SGD's η multiplies the filtered gradient (DiSK §3, θ ← θ − ηg_t; DC gain 1), so it
     # lives on plain SGD's scale. Paper 1's 0.01 equals the DiSK authors' CLI default, a step
     # LENGTH there: their KFOptimizer divides g_t by its global norm. Taken as η it left the
@@ -117,25 +151,27 @@ OPTIMIZERS: dict[str, Entry] = {
         "disk", {CIFAR10: Preset(1.0, _DISK)}),
     "dp_doppler_sgd": Entry(
         dp_doppler_sgd, "DOPPLER-SGD: bias-corrected EMA(0.9) low-pass (paper 1)",
-        presets={CIFAR10: Preset(3.0)}),
+        presets={CIFAR10: Preset(_DOPPLER_SGD)}),
     "dp_disk_muon": Entry(
         dp_disk_muon,
         "DiSK-Muon: Kalman filter feeding DP-Muon (paper 1; lr not printed, DP-Muon's)",
-        "disk", {CIFAR10: Preset(0.02, _DISK), GPT2: Preset(0.002, _PAPER2)}),
+        "disk", {CIFAR10: Preset(0.02, {**_DISK, **_fallback(CIFAR10)}),
+                 GPT2: Preset(0.002, _PAPER2)}),
     "dp_doppler_muon": Entry(
         dp_doppler_muon, "DOPPLER-Muon: EMA(0.9) replacing Muon's momentum, NS₅ (paper 1)",
-        presets={CIFAR10: Preset(0.02)}),
+        presets={CIFAR10: Preset(0.02, _DOPPLER_FALLBACK)}),
     "dp_muon_im": Entry(
         dp_muon_im, "DP-Muon-IM: inner-momentum query over K past states (paper 2)",
-        "inner_momentum", {CIFAR10: Preset(0.02, _IM), GPT2: Preset(0.002, _PAPER2)}),
+        "inner_momentum", {CIFAR10: Preset(0.02, {**_IM, **_fallback(CIFAR10)}),
+                           GPT2: Preset(0.002, _PAPER2)}),
     "dp_disk_muon_im": Entry(
         dp_disk_muon_im, "KF + IM: DiSK's query inside inner momentum, then DiSK-Muon (paper 2 "
         "ablation; κ = 0.5, γ = 0.8)", "disk_inner_momentum",
-        {CIFAR10: Preset(0.02, _IM), GPT2: Preset(0.002, _PAPER2)}),
+        {CIFAR10: Preset(0.02, {**_IM, **_fallback(CIFAR10)}), GPT2: Preset(0.002, _PAPER2)}),
     "dp_muon_bc": Entry(
         dp_muon_bc,
         "DP-Muon-BC: heavy-ball DP-Muon, noise-bias-corrected Newton–Schulz (our estimator)",
-        presets={CIFAR10: Preset(0.02), GPT2: Preset(0.002, _PAPER2)}),
+        presets={CIFAR10: Preset(0.02, _fallback(CIFAR10)), GPT2: Preset(0.002, _PAPER2)}),
     "dp_adam_bc": Entry(
         dp_adam_bc, "DP-AdamBC: Adam with the DP-noise variance removed (Tang et al.)",
         presets={CIFAR10: Preset(1e-3)}),

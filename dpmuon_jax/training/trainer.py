@@ -104,6 +104,7 @@ class TrainConfig:
   batch_size: int = 256
   epochs: float = 10.0
   learning_rate: float | None = None
+  fallback_learning_rate: float | None = None  # Muon family: the 1-D group's peak η′
   warmup_fraction: float = 0.05
   clip: float = 1.0
   clipping: str = "flat"  # one of privacy.clipping.CLIPPING_STYLES, all with total bound clip
@@ -185,6 +186,8 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
     checks.check_positive("--clip", config.clip)
     if config.learning_rate is not None:  # 0 is refused: it would silently mean the preset
       checks.check_positive("--lr", config.learning_rate)
+    if config.fallback_learning_rate is not None:
+      checks.check_nonnegative("--fallback-lr", config.fallback_learning_rate)
     checks.check_in_range("warmup_fraction", config.warmup_fraction, 0.0, 1.0, True, False)
     if config.noise_multiplier is not None:
       checks.check_nonnegative("--noise-multiplier", config.noise_multiplier)
@@ -198,11 +201,42 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
     raise TrainingError(str(error)) from None
 
 
-def _learning_rate_schedule(config: TrainConfig, total_steps: int) -> optax.Schedule:
-  """Cosine decay with linear warm-up over ``warmup_fraction`` of the run (paper 1)."""
-  peak = config.learning_rate or optimizer_registry.preset(config.optimizer).learning_rate
+def _learning_rate_schedule(config: TrainConfig, total_steps: int,
+                            peak: float | None = None) -> optax.Schedule:
+  """Cosine decay with linear warm-up over ``warmup_fraction`` of the run (paper 1).
+
+  ``peak``: the schedule's top; ``None``: the run's learning rate (or the preset's).
+  """
+  if peak is None:
+    peak = config.learning_rate or optimizer_registry.preset(config.optimizer).learning_rate
   warmup = int(config.warmup_fraction * total_steps)
   return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1))
+
+
+def _optimizer_options(config: TrainConfig, total_steps: int) -> dict:
+  """``optimizer_options`` with the Muon family's 1-D group on the run's schedule.
+
+  The fallback group (:class:`~dpmuon_jax.optimizers.options.Fallback`: the
+  options', else the preset's) runs its own peak rate η′ —
+  ``fallback_learning_rate`` if given, else the Fallback's — under the same
+  warm-up and cosine decay as the Muon group (paper 1 decays every group).
+  """
+  options = dict(config.optimizer_options)
+  preset = optimizer_registry.preset(config.optimizer).kwargs
+  fallback = options.get("fallback", preset.get("fallback"))
+  if fallback is None:
+    if config.fallback_learning_rate is not None:
+      raise ValueError(f"{config.optimizer} has no fallback group: fallback_learning_rate "
+                       "is for the Muon family.")
+    return options
+  peak = config.fallback_learning_rate
+  if peak is None:
+    peak = fallback.learning_rate
+  if isinstance(peak, (int, float)):
+    fallback = dataclasses.replace(fallback,
+                                   learning_rate=_learning_rate_schedule(config, total_steps, peak))
+  options["fallback"] = fallback
+  return options
 
 
 def _make_batch_fn(data: ImageDataset, use_augment: bool) -> Callable:
@@ -448,7 +482,7 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
   )
   schedule = _learning_rate_schedule(config, setup.steps)
   optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs,
-                                       **config.optimizer_options)
+                                       **_optimizer_options(config, setup.steps))
   mesh = data_mesh(num_devices) if num_devices > 1 else None
   step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
                               mesh=mesh, clipped_sum_method=config.clipped_sum_method)
