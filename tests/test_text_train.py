@@ -89,6 +89,10 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
   with open(os.path.join(config.output_dir, "history.csv")) as f:
     history = list(csv.DictReader(f))
   assert [int(r["step"]) for r in history] == [1, 2, 3]
+  cpu = [float(r["cpu_seconds"]) for r in history]
+  assert 0 < cpu[0] < cpu[1] < cpu[2] <= results["train_cpu_seconds"]
+  # The steady-state peak (releases 2..T, after the reset) is within the run's own peak.
+  assert 0 < results["steady_peak_rss_gib"] <= results["peak_rss_gib"]
   assert np.isfinite(results["valid_nll"]) and results["valid_nll"] > 0
   assert results["scores"]["test"]["groups"] == 2
   assert np.isfinite(results["scores"]["test"]["bleu"])
