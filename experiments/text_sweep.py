@@ -255,7 +255,8 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   runs = list(exp.runs())[:1] if tiny else list(exp.runs())  # tiny: the first, tiny shapes
   factors: dict[tuple[str, float], float] = {}
   for variant, epsilon, seed in runs:
-    if exp.rate_grid and not tiny and (variant.label, epsilon) not in factors:
+    if exp.rate_grid and not tiny and (variant.rate_from or variant.label,
+                                       epsilon) not in factors:
       factors.update({(label, epsilon): f for label, f in pilot(
           exp, out, data_dir, gpt2_dir, epsilon, call, log_dir).items()})
     if run_key(variant.label, epsilon, seed) in done:
@@ -266,11 +267,21 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
     row = _row(variant, epsilon, seed, config, results, seconds)
     append_row(path, row)
     print(json.dumps(row), flush=True)
+    summarise_recorded(exp, out, runs)  # partial results stay current while the sweep runs
+  return summarise_recorded(exp, out, runs)
+
+
+def summarise_recorded(exp: TextExperiment, out: str,
+                       runs: list[tuple[Variant, float, int]] | None = None) -> list[dict]:
+  """Rewrites the summaries from ``out/runs.csv`` and the runs' folders, training nothing;
+  returns the recorded rows of ``runs`` (default: all the experiment's), in their order."""
+  runs = list(exp.runs()) if runs is None else runs
   order = {run_key(v.label, e, s): i for i, (v, e, s) in enumerate(runs)}
-  rows = sorted((r for r in read_rows(path)
+  rows = sorted((r for r in read_rows(os.path.join(out, "runs.csv"))
                  if run_key(r["variant"], r["target_epsilon"], r["seed"]) in order),
                 key=lambda r: order[run_key(r["variant"], r["target_epsilon"], r["seed"])])
-  _write_summaries(exp, out, rows, runs)
+  if rows:
+    _write_summaries(exp, out, rows, runs)
   return rows
 
 
@@ -314,10 +325,10 @@ def pilot(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None, ep
       for factor in grid:
         if factor not in tried:
           config = dataclasses.replace(
-              run_config(exp, variant, epsilon, exp.pilot_seed, os.path.join(out, "pilot"),
-                         data_dir, gpt2_dir, False, factor),
+              run_config(exp, variant, epsilon, exp.pilot_seed, out, data_dir, gpt2_dir, False,
+                         factor),
               steps=exp.pilot_steps * variant.releases, generate_splits=(),
-              output_dir=os.path.join(out, "pilot", "runs",
+              output_dir=os.path.join(out, "runs", "pilot",
                                       f"{_slug(variant.label)}_eps{epsilon:g}_x{factor:g}"))
           results, seconds = _train_and_time(config, log_dir, call)
           row = _pilot_row(variant, epsilon, factor, config, results, seconds)
@@ -554,6 +565,15 @@ def summarise(rows: list[dict]) -> list[dict]:
            "max_epsilon_spent": max(r["epsilon_spent"] for r in group),
            "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in group),
            "peak_rss_gib_max": max(r["peak_rss_gib"] for r in group)}
+    for name in ("learning_rate", "fallback_learning_rate"):  # one per variant and ε
+      if group[0].get(name, "") != "":
+        row[name] = group[0][name]
+    for name, reduce in (("steady_peak_rss_gib_max", max),
+                         ("train_cpu_seconds_mean", statistics.fmean)):
+      values = [r[name.rsplit("_", 1)[0]] for r in group
+                if r.get(name.rsplit("_", 1)[0], "") != ""]
+      if values:
+        row[name] = reduce(values)
     for metric in METRICS:
       values = [r[metric] for r in group if r[metric] != ""]
       if values:
@@ -805,11 +825,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--microbatch-sizes", nargs="+", type=int, default=[],
                       help="--measure: default the experiment's")
   parser.add_argument("--releases", type=int, default=2, help="--measure: timed releases")
+  parser.add_argument("--summarise", action="store_true",
+                      help="only rewrite the summaries and plots from the recorded runs")
   args = parser.parse_args(argv)
   exp = TEXT_EXPERIMENTS[args.experiment]
   out = args.out or os.path.join(os.path.dirname(__file__), "results", exp.name)
   try:
-    if args.measure:
+    if args.summarise:
+      summarise_recorded(exp, out)
+    elif args.measure:
       measure(exp, out, args.data_dir, args.gpt2_dir, args.variants, tuple(args.methods),
               tuple(args.microbatch_sizes), args.releases)
     else:

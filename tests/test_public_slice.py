@@ -174,6 +174,11 @@ def test_pilot_extends_the_grid_off_an_edge_and_each_arm_runs_at_its_choice(tmp_
   monkeypatch.setattr(text_sweep, "train_lm", again)
   assert text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False) == rows
   assert again.calls == []
+  # The summaries can be rewritten from the records alone, as while a sweep runs.
+  for name in ("summary.csv", "curves.csv", "pairs.csv"):
+    (tmp_path / name).unlink()
+  assert text_sweep.summarise_recorded(exp, str(tmp_path)) == rows
+  assert all((tmp_path / name).exists() for name in ("summary.csv", "curves.csv", "pairs.csv"))
 
 
 @needs_text_data
