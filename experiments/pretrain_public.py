@@ -26,6 +26,16 @@ whose source hashes to 0 mod 50 (sha256) are held out to measure DART NLL.
 The E2E validation split is read only after training, to report the model's
 zero-shot E2E validation NLL.
 
+With ``--e2e-public-slice M`` the pretraining pairs also include E2E's public
+slice: every training pair whose restaurant ``name`` hashes to 0 mod M
+(:func:`~dpmuon_jax.text.data.in_public_slice`, a rule on the name alone),
+encoded as above and held out by the same source hash. Those restaurants
+are then public: fine-tuning with ``LMTrainConfig(public_slice=M)`` removes
+them from the private training set (its N), from validation and from test,
+and the zero-shot E2E validation NLL is measured on the private restaurants
+only. This is the same-distribution public data of public-data-assisted DP
+training, not the web-text pretraining of the real ``gpt2`` weights.
+
 Objective and optimizer (non-private): the causal LM NLL of every real token
 (source, separators, target, closing end-of-text; not padding), averaged over
 the batch's tokens; AdamW (Loshchilov & Hutter, "Decoupled Weight Decay

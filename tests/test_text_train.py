@@ -316,6 +316,11 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
   expected = mean_token_nll(apply, params, encode_pairs(tokenizer, valid, exp.max_length), 64)
   assert record["valid_nll"] == pytest.approx(expected, rel=1e-6)
   assert record["checkpoint_valid_nll"] == 6.25 and record["scores"]["test"]["groups"] == 2
+  with open(tmp_path / "out" / "summary.csv") as f:
+    zero = list(csv.DictReader(f))[-1]  # the start's own row, after the runs'
+  assert zero["variant"] == "zero-shot start" and zero["releases"] == "0"
+  assert float(zero["valid_nll_mean"]) == pytest.approx(record["valid_nll"])
+  assert float(zero["test_bleu_mean"]) == pytest.approx(record["scores"]["test"]["bleu"])
   assert (tmp_path / "out" / f"{exp.metric}_vs_epsilon.png").exists()
   # A rebuilt checkpoint that differs may not add runs to the same table (the refusal
   # comes from the setup's own process, as in a real sweep).

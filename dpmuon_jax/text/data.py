@@ -23,6 +23,12 @@ grouped and the model generates once per source.
   ``null`` references dropped). The trailing space Li et al. append after the
   closing ``<|endoftext|>`` is not reproduced.
 
+E2E's public slice (:func:`split_public_slice`): the pairs of the restaurants
+whose name hashes to 0 mod m (:func:`in_public_slice`) may serve as public
+data, e.g. to pretrain a start, and are then removed from every split a
+private run trains on or is scored on; ``LMTrainConfig(public_slice=m)``
+does so.
+
 Local files: one data folder, each file plain or gzipped:
 ``e2e/src1_{train,valid,test}.txt[.gz]``; ``dart/{split}.jsonl[.gz]`` (lines
 ``{"tripleset", "references"}``) or the official
