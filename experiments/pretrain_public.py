@@ -26,6 +26,16 @@ whose source hashes to 0 mod 50 (sha256) are held out to measure DART NLL.
 The E2E validation split is read only after training, to report the model's
 zero-shot E2E validation NLL.
 
+With ``--e2e-public-slice M`` the pretraining pairs also include E2E's public
+slice: every training pair whose restaurant ``name`` hashes to 0 mod M
+(:func:`~dpmuon_jax.text.data.in_public_slice`, a rule on the name alone),
+encoded as above and held out by the same source hash. Those restaurants
+are then public: fine-tuning with ``LMTrainConfig(public_slice=M)`` removes
+them from the private training set (its N), from validation and from test,
+and the zero-shot E2E validation NLL is measured on the private restaurants
+only. This is the same-distribution public data of public-data-assisted DP
+training, not the web-text pretraining of the real ``gpt2`` weights.
+
 Objective and optimizer (non-private): the causal LM NLL of every real token
 (source, separators, target, closing end-of-text; not padding), averaged over
 the batch's tokens; AdamW (Loshchilov & Hutter, "Decoupled Weight Decay
@@ -76,12 +86,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpmuon_jax.text.data import TextPair, dart_source, encode_pairs, load_text_dataset
+from dpmuon_jax.text.data import (
+    TextPair,
+    dart_source,
+    e2e_name,
+    encode_pairs,
+    load_e2e,
+    split_public_slice,
+)
 from dpmuon_jax.text.gpt2 import GPT2, GPT2Config, gpt2_model, token_nll
 from dpmuon_jax.text.hf_weights import WEIGHTS_FILE, load_hf_gpt2, save_hf_gpt2
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
-from dpmuon_jax.text.train import LMTrainConfig, load_model
+from dpmuon_jax.text.train import LMTrainConfig, load_model, load_split
 from dpmuon_jax.training.records import write_csv
 
 DART_SPLITS = ("dev", "test")
@@ -113,6 +130,7 @@ class PretrainConfig:
   eval_every: int = 250
   eval_batch_size: int = 64
   e2e_eval_pairs: int | None = None  # None: the whole E2E validation split
+  e2e_public_slice: int | None = None  # also train on E2E's public restaurants (this modulus)
 
   def gpt2_config(self, vocab_size: int) -> GPT2Config:
     return GPT2Config(vocab_size=vocab_size, max_positions=self.max_length, dim=self.dim,
@@ -146,6 +164,13 @@ def public_dart_pairs(data_dir: str) -> tuple[list[TextPair], list[str]]:
       pairs.extend(TextPair(source, ref) for ref, origin in zip(row["references"], row["sources"])
                    if ref is not None and origin not in EXCLUDED_ORIGINS)
   return pairs, paths
+
+
+def public_e2e_pairs(data_dir: str, modulus: int) -> tuple[list[TextPair], list[str]]:
+  """The E2E training pairs of the public restaurants
+  (:func:`~dpmuon_jax.text.data.split_public_slice`), and their names."""
+  public = split_public_slice(load_e2e(data_dir, "train"), modulus)[1]
+  return public.pairs, sorted({e2e_name(g.source) for g in public.groups})
 
 
 def split_heldout(pairs: Sequence[TextPair]) -> tuple[list[TextPair], list[TextPair]]:
@@ -281,12 +306,19 @@ def pretrain(config: PretrainConfig, tokenizer: GPT2Tokenizer, train: dict, held
 
 def public_data(config: PretrainConfig) -> tuple[GPT2Tokenizer, dict, dict, dict]:
   """Tokenizer, training arrays (all tokens), held-out arrays (target tokens) and counts;
-  reads only ``gpt2/`` and ``dart/``."""
+  reads only ``gpt2/`` and ``dart/``, and with ``e2e_public_slice`` E2E's training split,
+  of which only the public restaurants' pairs are kept."""
   tokenizer = GPT2Tokenizer(os.path.join(config.data_dir, "gpt2"), config.vocab_size)
   pairs, paths = public_dart_pairs(config.data_dir)
+  counts = {"files": paths, "dart_pairs": len(pairs)}
+  if config.e2e_public_slice is not None:
+    e2e, names = public_e2e_pairs(config.data_dir, config.e2e_public_slice)
+    pairs = pairs + e2e
+    counts.update(e2e_public_pairs=len(e2e), e2e_public_names=names,
+                  e2e_public_rule=f"sha256(name) % {config.e2e_public_slice} == 0")
   train, heldout = split_heldout(pairs)
-  counts = {"files": paths, "pairs": len(pairs), "train_pairs": len(train),
-            "heldout_pairs": len(heldout), "excluded_origins": sorted(EXCLUDED_ORIGINS)}
+  counts.update(pairs=len(pairs), train_pairs=len(train), heldout_pairs=len(heldout),
+                excluded_origins=sorted(EXCLUDED_ORIGINS))
   return (tokenizer, all_token_arrays(tokenizer, train, config.max_length),
           encode_pairs(tokenizer, heldout, config.max_length), counts)
 
@@ -294,12 +326,15 @@ def public_data(config: PretrainConfig) -> tuple[GPT2Tokenizer, dict, dict, dict
 def zero_shot_e2e_nll(config: PretrainConfig, out: str, batch_size: int = 64) -> float:
   """E2E validation NLL per target token of the SAVED model, loaded as fine-tuning loads
   it (:func:`dpmuon_jax.text.train.load_model`) and scored as :func:`train_lm` scores
-  validation (:func:`mean_token_nll` on :func:`encode_pairs` at ``max_length``)."""
+  validation (:func:`mean_token_nll` on :func:`encode_pairs` at ``max_length``): with
+  ``e2e_public_slice``, on the private restaurants' validation pairs only, as fine-tuning
+  with ``LMTrainConfig(public_slice=...)`` scores it."""
   ft = LMTrainConfig(data_dir=config.data_dir, init_weights=out, vocab_size=config.vocab_size,
-                     max_length=config.max_length, eval_batch_size=batch_size)
+                     max_length=config.max_length, eval_batch_size=batch_size,
+                     public_slice=config.e2e_public_slice)
   tokenizer = GPT2Tokenizer(os.path.join(config.data_dir, "gpt2"), ft.vocab_size)
   apply, params, _, _ = load_model(ft, tokenizer.vocab_size)
-  valid = load_text_dataset("e2e", config.data_dir, "valid").pairs[:config.e2e_eval_pairs]
+  valid = load_split(ft, "valid").pairs[:config.e2e_eval_pairs]
   return mean_token_nll(apply, params, encode_pairs(tokenizer, valid, ft.max_length),
                         ft.eval_batch_size)
 
@@ -328,8 +363,11 @@ def run(config: PretrainConfig) -> dict:
   same = loaded_config == gpt2_config and all(
       np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)))
   results = {
-      "setting": "public pretraining (non-private, DART without its E2E part), then private "
-                 "fine-tuning with LMTrainConfig(init_weights=this directory)",
+      "setting": "public pretraining (non-private, DART without its E2E part"
+                 + (", and E2E's public restaurants" if config.e2e_public_slice else "")
+                 + "), then private fine-tuning with LMTrainConfig(init_weights=this directory"
+                 + (f", public_slice={config.e2e_public_slice})" if config.e2e_public_slice
+                    else ")"),
       "config": dataclasses.asdict(config), "model": gpt2_config._asdict(),
       "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
       "data": counts, "lr_schedule": "linear warmup, then cosine decay to 0.1 × peak",
@@ -404,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
   parser.add_argument("--e2e-eval-pairs", type=int, default=None,
                       help="score only the first n E2E validation pairs (default: all)")
+  parser.add_argument("--e2e-public-slice", type=int, default=None, metavar="M",
+                      help="also train on the E2E training pairs of the public restaurants, "
+                      "sha256(name) %% M == 0 (fine-tuning then needs "
+                      "LMTrainConfig(public_slice=M)); default: DART only")
   parser.add_argument("--measure", action="store_true",
                       help="time one AdamW step for each candidate size and exit")
   args = vars(parser.parse_args(argv))

@@ -53,8 +53,10 @@ class Variant:
   (explicit ``kwargs`` win). ``releases`` multiplies the experiment's number
   of releases T (σ is calibrated for the variant's own T at the same ε): the
   equal-compute baseline of a query with two gradients per example is the
-  one-gradient optimizer with ``releases=2``. ``epsilons``: run this variant
-  at these ε only (``None``: at every ε of the experiment).
+  one-gradient optimizer with ``releases=2``. ``epsilons`` / ``seeds``: run
+  this variant at these ε / seeds only (``None``: all of the experiment's).
+  ``rate_from``: in an experiment with a learning-rate pilot, this variant is
+  not piloted and takes the rates chosen for the variant of that label.
   """
 
   label: str
@@ -63,6 +65,8 @@ class Variant:
   paper2_im: bool = False
   releases: int = 1
   epsilons: tuple[float, ...] | None = None
+  seeds: tuple[int, ...] | None = None
+  rate_from: str | None = None
 
   def optimizer_kwargs(self, dataset: str, epsilon: float) -> dict:
     preset = im_preset(dataset, epsilon) if self.paper2_im else {}
@@ -83,6 +87,15 @@ class TextExperiment:
   ``weights`` (what ``--gpt2-dir`` must be, for the error without it), ``table``,
   ``metric`` (plotted), ``scale`` and ``scaling`` (how a CPU-scale version
   departs from the paper).
+
+  Learning-rate pilot (``rate_grid`` non-empty): before the runs of an ε, each
+  variant of :meth:`piloted` is trained at seed ``pilot_seed`` (never a
+  reported seed) for ``pilot_steps`` releases (times its ``releases``) at both
+  rates multiplied by each factor of ``rate_grid``; while the factor of the
+  lowest validation NLL is the grid's smallest or largest, the grid is extended
+  by a factor 2 on that side (up to ``max_rate_points`` factors). Each variant
+  then runs at its own best factor times (``learning_rate``,
+  ``fallback_learning_rate``).
   """
 
   name: str
@@ -116,6 +129,11 @@ class TextExperiment:
   metric: str = "bleu"  # the table's main metric: "bleu" or "valid_nll"
   scale: str = "full"
   scaling: str = ""
+  public_slice: int | None = None
+  rate_grid: tuple[float, ...] = ()
+  pilot_seed: int = 36
+  pilot_steps: int = 100
+  max_rate_points: int = 8
 
   def runs(self):
     """Every (variant, ε, seed), the most informative first: the largest ε, then the
@@ -123,8 +141,16 @@ class TextExperiment:
     for epsilon in sorted(self.epsilons, reverse=True):
       for seed in self.seeds:
         for variant in self.variants:
-          if variant.epsilons is None or epsilon in variant.epsilons:
+          if ((variant.epsilons is None or epsilon in variant.epsilons)
+              and (variant.seeds is None or seed in variant.seeds)):
             yield variant, epsilon, seed
+
+  def piloted(self, epsilon: float) -> list[Variant]:
+    """The variants whose rates the pilot chooses at ``epsilon`` (none without a grid)."""
+    if not self.rate_grid:
+      return []
+    return [v for v in self.variants if v.rate_from is None
+            and (v.epsilons is None or epsilon in v.epsilons)]
 
 
 TEXT_EXPERIMENTS: dict[str, TextExperiment] = {}
@@ -203,7 +229,9 @@ _add(
     # and 2 (E2E) at ε ∈ {1, 8}, plus the equal-compute pair (IM at K = 1, two gradients per
     # example per release, against DP-Muon with twice the releases at the same ε).
     TextExperiment(
-        "e2e_pretrained_cpu", "paper 2 tables 1–2 (E2E), pretrained small GPT-2, CPU scale",
+        "e2e_pretrained_cpu",
+        "paper 2 tables 1–2 (E2E), early descent: 6 releases from a DART-pretrained small "
+        "GPT-2, CPU scale",
         "e2e",
         (DP_MUON, DP_MUON_IM,
          Variant("DP-Muon-IM (K = 1)", "dp_muon_im", _IM_K1),
@@ -233,5 +261,49 @@ _add(
         "Muon orthogonalises q, k and v each on its own (attention_blocks='split'); one row "
         "(DP-Muon-IM at ε = 8) repeats with the fused d × 3d matrix as Hugging Face's c_attn "
         "stores it.",
+    ),
+)
+
+E2E_PUBLIC_SLICE = 5
+E2E_PRIVATE_TRAIN_PAIRS = 31_575  # of 42,061: the 7 public restaurants' 10,486 pairs removed
+PUBLIC_SLICE_RELEASES = 400
+
+_add(
+    # Paper 2's comparison where it can be decided: fine-tuning from a start that already
+    # writes E2E (pretrained on DART and on E2E's public restaurants), 400 releases at an
+    # expected batch of 256 private pairs, every arm's rates chosen by one pilot.
+    TextExperiment(
+        "e2e_public_slice", "paper 2 tables 1–2 (E2E), public-slice start, 400 releases",
+        "e2e",
+        (DP_MUON,
+         Variant("DP-Muon-IM (K = 1)", "dp_muon_im", _IM_K1),
+         Variant("DP-Muon-IM (preset)", "dp_muon_im", paper2_im=True, epsilons=(8.0,)),
+         Variant("DP-Muon (2T releases)", "dp_muon", releases=2),
+         Variant("DP-Muon-BC", "dp_muon_bc"),
+         Variant("KF+IM", "dp_disk_muon_im", _KF_KWARGS, paper2_im=True, epsilons=(8.0,),
+                 seeds=(37,), rate_from="DP-Muon-IM (preset)"),
+         Variant("DP-Muon-IM (preset, fused c_attn)", "dp_muon_im",
+                 {"attention_blocks": "fused"}, paper2_im=True, epsilons=(8.0,), seeds=(37,),
+                 rate_from="DP-Muon-IM (preset)")),
+        epsilons=(1.0, 8.0), sampling_rate=256 / E2E_PRIVATE_TRAIN_PAIRS,
+        steps=PUBLIC_SLICE_RELEASES, denominator=None, capacity=320, microbatch_size=32,
+        public_slice=E2E_PUBLIC_SLICE, rate_grid=(0.5, 1.0, 2.0), eval_every=50,
+        weights="runs/pretrained_public_slice, made by `python -m experiments.pretrain_public "
+        "--data-dir TEXT_DATA --out runs/pretrained_public_slice --e2e-public-slice 5 --dim 64 "
+        "--layers 2 --heads 2 --vocab-size 4096 --steps 3000 --batch-size 32 "
+        "--learning-rate 0.002 --warmup 200 --seed 0`",
+        model="gpt2_cpu", model_overrides={"max_positions": 128}, vocab_size=4096,
+        max_length=128, max_new_tokens=66, generate_splits=("test",), metric="valid_nll",
+        scale="cpu",
+        scaling="fine-tunes a 2-layer, 64-wide GPT-2 (128 positions, GPT-2's BPE cut to its "
+        "first 4,095 tokens + end-of-text) pretrained WITHOUT privacy on public data: DART "
+        "dev+test without its E2E-origin references, and the E2E training pairs of the public "
+        "restaurants (sha256(name) mod 5 = 0: 7 of 34 names, 10,486 pairs), which are removed "
+        "from the private training set (N = 31,575) and from validation and test; q = 256/N, "
+        "D = qN = 256, C = 1, T = 400 (about 3.2 epochs), ε ∈ {1, 8}, δ = 1e-5; every arm's "
+        "two rates scaled together by one factor from the grid ×{½, 1, 2} around paper 2's "
+        "0.002 / 0.0035 (extended while the best is on an edge), chosen per arm and ε on "
+        "validation NLL at seed 36 after 100 releases; inner momentum K = 1 (γ = 0.5) and "
+        "paper 2's ε = 8 preset (ε = 8 only); greedy decoding of at most 66 new tokens.",
     ),
 )

@@ -3,6 +3,8 @@
     python -m experiments.text_sweep e2e_cpu_im --data-dir TEXT_DATA                # CPU
     python -m experiments.text_sweep e2e_pretrained_cpu --data-dir TEXT_DATA \\
         --gpt2-dir runs/pretrained_dart                                             # CPU
+    python -m experiments.text_sweep e2e_public_slice --data-dir TEXT_DATA \\
+        --gpt2-dir runs/pretrained_public_slice                                     # CPU
     python -m experiments.text_sweep paper2_table2_e2e --data-dir TEXT_DATA --gpt2-dir HF_GPT2
     python -m experiments.text_sweep paper2_table2_e2e --data-dir TEXT_DATA --tiny  # CI
     python -m experiments.text_sweep e2e_pretrained_cpu --data-dir TEXT_DATA --measure \\
@@ -34,10 +36,17 @@ releases (up to floating-point nondeterminism of the backend). Each run trains
 in a fresh process of its own, so the peak memory in its row is its own (a
 process's peak RSS and the device's peak allocation only grow).
 
+An experiment with a learning-rate grid first runs its pilot for each ε
+(:func:`pilot`, before that ε's runs; ``<out>/pilot.csv``, restartable the
+same way) and records each arm's grid and chosen rates in ``<out>/rates.csv``.
+
 Writes ``<out>/runs.csv`` (one row per variant × ε × seed: ε spent, σ,
 releases, gradient evaluations per example, validation NLL per target token,
 BLEU / ROUGE-L per decoded split, training and whole-run seconds, peak
-memory), ``<out>/summary.csv`` (mean ± std over seeds),
+memory, the rates), ``<out>/summary.csv`` (mean ± std over seeds, and the
+checkpoint's zero-shot row), ``<out>/pairs.csv`` (inner momentum minus
+DP-Muon per seed) with ``<out>/decision.csv`` (:func:`decide`), for runs
+evaluated along the way ``<out>/curves.csv`` and ``valid_nll_curves.png``,
 ``<out>/<metric>_vs_epsilon.png``, for fine-tuning ``<out>/zero_shot.json``
 (the checkpoint before any release: validation NLL and the decoded splits'
 scores, the floor every run should beat) and, for diagnostic runs,
@@ -53,6 +62,7 @@ import csv
 import dataclasses
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -62,11 +72,18 @@ import time
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.privacy.disk_query import single_point
-from dpmuon_jax.text.data import encode_pairs, load_text_dataset
+from dpmuon_jax.text.data import encode_pairs
 from dpmuon_jax.text.hf_weights import WEIGHTS_FILE
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
-from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, score_split, train_lm
+from dpmuon_jax.text.train import (
+    LMTrainConfig,
+    lm_optimizer,
+    load_model,
+    load_split,
+    score_split,
+    train_lm,
+)
 from dpmuon_jax.training.records import append_csv_row, write_csv
 from dpmuon_jax.training.tracking import MissingExtraError
 from experiments.pretrain_public import sha256_file
@@ -79,13 +96,21 @@ RUN_FIELDS = (
     "noise_multiplier", "releases", "grad_evals_per_example", "clipped_sum_method",
     "pretrained", "valid_nll", "valid_bleu", "valid_rouge_l", "test_bleu", "test_rouge_l",
     "train_seconds", "run_seconds", "peak_rss_gib", "peak_device_gib",
+    "learning_rate", "fallback_learning_rate", "steady_peak_rss_gib", "train_cpu_seconds",
 )
-_TEXT_FIELDS = ("variant", "optimizer", "clipped_sum_method", "pretrained")
+PILOT_FIELDS = (
+    "variant", "optimizer", "target_epsilon", "seed", "rate_factor", "learning_rate",
+    "fallback_learning_rate", "releases", "epsilon_spent", "noise_multiplier", "valid_nll",
+    "train_seconds", "run_seconds", "steady_peak_rss_gib", "train_cpu_seconds",
+)
+_TEXT_FIELDS = ("variant", "optimizer", "clipped_sum_method", "pretrained", "grid", "on_edge")
 
 
 def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int, out: str,
-               data_dir: str, gpt2_dir: str | None, tiny: bool) -> LMTrainConfig:
-  """The :class:`LMTrainConfig` of one run (``tiny``: one release on tiny shapes)."""
+               data_dir: str, gpt2_dir: str | None, tiny: bool,
+               rate_factor: float = 1.0) -> LMTrainConfig:
+  """The :class:`LMTrainConfig` of one run (``tiny``: one release on tiny shapes), both
+  learning rates multiplied by ``rate_factor``."""
   config = LMTrainConfig(
       data_dir=data_dir,
       dataset=exp.dataset,
@@ -97,8 +122,8 @@ def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int,
       max_length=exp.max_length,
       optimizer=variant.optimizer,
       optimizer_kwargs=variant.optimizer_kwargs(exp.dataset, epsilon),
-      learning_rate=exp.learning_rate,
-      fallback_learning_rate=exp.fallback_learning_rate,
+      learning_rate=exp.learning_rate * rate_factor,
+      fallback_learning_rate=exp.fallback_learning_rate * rate_factor,
       epsilon=epsilon,
       delta=exp.delta,
       sampling_rate=exp.sampling_rate,
@@ -106,6 +131,7 @@ def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int,
       denominator=exp.denominator,
       clip=exp.clip,
       seed=seed,
+      public_slice=exp.public_slice,
       microbatch_size=exp.microbatch_size,
       clipped_sum_method=exp.clipped_sum_method,
       capacity=exp.capacity,
@@ -169,29 +195,30 @@ def gradient_evaluations(optimizer: str, kwargs: dict, releases: int) -> int:
 # The restartable driver.
 
 
-def read_rows(path: str) -> list[dict]:
-  """The recorded rows, numbers parsed; an older header is rewritten to :data:`RUN_FIELDS`."""
+def read_rows(path: str, fields: tuple[str, ...] = RUN_FIELDS) -> list[dict]:
+  """The recorded rows, numbers parsed; an older header is rewritten to ``fields``."""
   if not os.path.exists(path):
     return []
   with open(path, newline="") as f:
     reader = csv.DictReader(f)
     rows = list(reader)
     header = tuple(reader.fieldnames or ())
-  if header != RUN_FIELDS:
-    if set(header) - set(RUN_FIELDS):
-      raise SystemExit(f"{path} has columns {sorted(set(header) - set(RUN_FIELDS))} that this "
+  if header != fields:
+    if set(header) - set(fields):
+      raise SystemExit(f"{path} has columns {sorted(set(header) - set(fields))} that this "
                        "sweep does not write: move the file away to start afresh.")
-    write_csv(path + ".tmp", rows, RUN_FIELDS)
+    write_csv(path + ".tmp", rows, fields)
     os.replace(path + ".tmp", path)
-  return [_parse(r) for r in rows]
+  return [_parse(r, fields) for r in rows]
 
 
-def _parse(row: dict) -> dict:
+def _parse(row: dict, fields: tuple[str, ...] = RUN_FIELDS) -> dict:
   out = {}
-  for name in RUN_FIELDS:
+  for name in fields:
     value = row.get(name, "")
     out[name] = value if name in _TEXT_FIELDS or value == "" else float(value)
-  out["seed"] = int(out["seed"])
+  if "seed" in out:
+    out["seed"] = int(out["seed"])
   return out
 
 
@@ -209,8 +236,10 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
         tiny: bool = False, log_dir: str | None = None, own_process: bool = True) -> list[dict]:
   """Trains every run not yet in ``out/runs.csv``, then summarises all of them.
 
-  ``log_dir``: each run's TensorBoard logs in a folder of its own. ``own_process``
-  (the default): the setup and each run happen in a fresh process of their own
+  With a learning-rate grid, the pilot of each ε (:func:`pilot`) runs before
+  that ε's first run, and each run takes its variant's chosen factor. ``log_dir``:
+  each run's TensorBoard logs in a folder of its own. ``own_process`` (the
+  default): the setup and each run happen in a fresh process of their own
   (:func:`in_own_process`), so a row's peak memory is that run's alone; ``False``
   runs them in this process (the tests use it to stand a fake in for
   :func:`train_lm`). Returns the experiment's rows, in :meth:`TextExperiment.runs`
@@ -224,26 +253,136 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   path = os.path.join(out, "runs.csv")
   done = {run_key(r["variant"], r["target_epsilon"], r["seed"]) for r in read_rows(path)}
   runs = list(exp.runs())[:1] if tiny else list(exp.runs())  # tiny: the first, tiny shapes
+  factors: dict[tuple[str, float], float] = {}
   for variant, epsilon, seed in runs:
+    if exp.rate_grid and not tiny and (variant.rate_from or variant.label,
+                                       epsilon) not in factors:
+      factors.update({(label, epsilon): f for label, f in pilot(
+          exp, out, data_dir, gpt2_dir, epsilon, call, log_dir).items()})
     if run_key(variant.label, epsilon, seed) in done:
       continue
-    config = run_config(exp, variant, epsilon, seed, out, data_dir, gpt2_dir, tiny)
-    if log_dir is not None:
-      config = dataclasses.replace(
-          config, log_dir=os.path.join(log_dir, os.path.basename(config.output_dir)))
-      shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
-    shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
-    started = time.perf_counter()
-    results = call(_train, config)
-    row = _row(variant, epsilon, seed, config, results, time.perf_counter() - started)
+    factor = factors.get((variant.rate_from or variant.label, epsilon), 1.0)
+    config = run_config(exp, variant, epsilon, seed, out, data_dir, gpt2_dir, tiny, factor)
+    results, seconds = _train_and_time(config, log_dir, call)
+    row = _row(variant, epsilon, seed, config, results, seconds)
     append_row(path, row)
     print(json.dumps(row), flush=True)
+    summarise_recorded(exp, out, runs)  # partial results stay current while the sweep runs
+  return summarise_recorded(exp, out, runs)
+
+
+def summarise_recorded(exp: TextExperiment, out: str,
+                       runs: list[tuple[Variant, float, int]] | None = None) -> list[dict]:
+  """Rewrites the summaries from ``out/runs.csv`` and the runs' folders, training nothing;
+  returns the recorded rows of ``runs`` (default: all the experiment's), in their order."""
+  runs = list(exp.runs()) if runs is None else runs
   order = {run_key(v.label, e, s): i for i, (v, e, s) in enumerate(runs)}
-  rows = sorted((r for r in read_rows(path)
+  rows = sorted((r for r in read_rows(os.path.join(out, "runs.csv"))
                  if run_key(r["variant"], r["target_epsilon"], r["seed"]) in order),
                 key=lambda r: order[run_key(r["variant"], r["target_epsilon"], r["seed"])])
-  _write_summaries(exp, out, rows, [run_dir(out, v, e, s) for v, e, s in runs])
+  if rows:
+    _write_summaries(exp, out, rows, runs)
   return rows
+
+
+def _train_and_time(config: LMTrainConfig, log_dir: str | None, call) -> tuple[dict, float]:
+  """One run from scratch (an interrupted run's files removed first): (results, seconds)."""
+  if log_dir is not None:
+    config = dataclasses.replace(
+        config, log_dir=os.path.join(log_dir, os.path.basename(config.output_dir)))
+    shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
+  shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
+  started = time.perf_counter()
+  results = call(_train, config)
+  return results, time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------
+# The learning-rate pilot.
+
+
+def pilot(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None, epsilon: float,
+          call=None, log_dir: str | None = None) -> dict[str, float]:
+  """Chooses each piloted variant's rate factor at ``epsilon``; returns {label: factor}.
+
+  Each (variant, factor) trains once at ``exp.pilot_seed`` for ``exp.pilot_steps``
+  releases (times the variant's ``releases``) without decoding; its row goes to
+  ``out/pilot.csv`` at once (a rerun skips it). The grid starts at
+  ``exp.rate_grid`` and grows by a factor 2 past whichever end holds the lowest
+  validation NLL (a diverged run counts as +∞), until the best is inside or
+  ``exp.max_rate_points`` factors were tried. Then ``out/rates.csv`` records,
+  per variant and ε, the grid tried and the factor chosen. No test split is read.
+  """
+  call = call or in_own_process
+  path = os.path.join(out, "pilot.csv")
+  chosen = {}
+  for variant in exp.piloted(epsilon):
+    grid = sorted(exp.rate_grid)
+    while True:
+      tried = {float(r["rate_factor"]): r for r in read_rows(path, PILOT_FIELDS)
+               if (r["variant"], r["target_epsilon"], r["seed"])
+               == (variant.label, epsilon, exp.pilot_seed)}
+      for factor in grid:
+        if factor not in tried:
+          config = dataclasses.replace(
+              run_config(exp, variant, epsilon, exp.pilot_seed, out, data_dir, gpt2_dir, False,
+                         factor),
+              steps=exp.pilot_steps * variant.releases, generate_splits=(),
+              output_dir=os.path.join(out, "runs", "pilot",
+                                      f"{_slug(variant.label)}_eps{epsilon:g}_x{factor:g}"))
+          results, seconds = _train_and_time(config, log_dir, call)
+          row = _pilot_row(variant, epsilon, factor, config, results, seconds)
+          append_csv_row(path, row, PILOT_FIELDS)
+          print(json.dumps(row), flush=True)
+          tried[factor] = _parse(row, PILOT_FIELDS)
+      best = choose_factor({f: tried[f]["valid_nll"] for f in grid})
+      if len(grid) >= exp.max_rate_points or grid[0] < best < grid[-1]:
+        break
+      grid = [grid[0] / 2] + grid if best == grid[0] else grid + [grid[-1] * 2]
+    chosen[variant.label] = best
+    _record_rate(out, exp, variant, epsilon, grid, best, tried[best])
+  return chosen
+
+
+def choose_factor(nll: dict[float, float]) -> float:
+  """The factor of the lowest validation NLL (NaN or ∞: diverged, never chosen unless all
+  did); ties go to the smaller factor."""
+  finite = {f: v for f, v in nll.items() if math.isfinite(v)}
+  pool = finite or nll
+  return min(sorted(pool), key=lambda f: pool[f] if math.isfinite(pool[f]) else math.inf)
+
+
+def _pilot_row(variant: Variant, epsilon: float, factor: float, config: LMTrainConfig,
+               results: dict, run_seconds: float) -> dict:
+  return {"variant": variant.label, "optimizer": variant.optimizer, "target_epsilon": epsilon,
+          "seed": config.seed, "rate_factor": factor, "learning_rate": config.learning_rate,
+          "fallback_learning_rate": config.fallback_learning_rate,
+          "releases": int(results["releases"]), "epsilon_spent": results["epsilon_spent"],
+          "noise_multiplier": results["noise_multiplier"], "valid_nll": results["valid_nll"],
+          "train_seconds": results["train_seconds"], "run_seconds": run_seconds,
+          "steady_peak_rss_gib": results.get("steady_peak_rss_gib", ""),
+          "train_cpu_seconds": results.get("train_cpu_seconds", "")}
+
+
+RATE_FIELDS = ("variant", "target_epsilon", "pilot_seed", "pilot_releases", "grid",
+               "rate_factor", "learning_rate", "fallback_learning_rate", "pilot_valid_nll",
+               "on_edge")
+
+
+def _record_rate(out: str, exp: TextExperiment, variant: Variant, epsilon: float,
+                 grid: list[float], best: float, row: dict) -> None:
+  """Replaces (variant, ε)'s row of ``out/rates.csv``: the grid tried and the choice."""
+  path = os.path.join(out, "rates.csv")
+  rows = [r for r in read_rows(path, RATE_FIELDS)
+          if (r["variant"], r["target_epsilon"]) != (variant.label, epsilon)]
+  rows.append({"variant": variant.label, "target_epsilon": epsilon,
+               "pilot_seed": exp.pilot_seed, "pilot_releases": int(row["releases"]),
+               "grid": " ".join(f"{f:g}" for f in grid), "rate_factor": best,
+               "learning_rate": row["learning_rate"],
+               "fallback_learning_rate": row["fallback_learning_rate"],
+               "pilot_valid_nll": row["valid_nll"],
+               "on_edge": best in (grid[0], grid[-1])})
+  write_csv(path, rows, RATE_FIELDS)
 
 
 def in_own_process(fn, *args):
@@ -279,20 +418,31 @@ def _train(config: LMTrainConfig) -> dict:
   return json.loads(json.dumps(results, default=float))
 
 
-def _write_summaries(exp: TextExperiment, out: str, rows: list[dict], dirs: list[str]) -> None:
-  """summary.csv, the plot, experiment.json and (diagnostic runs) diagnostics.csv/json."""
+def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
+                     runs: list[tuple[Variant, float, int]]) -> None:
+  """summary.csv (with the checkpoint's zero-shot row), the plot, pairs.csv and
+  decision.csv, curves.csv and its plot, experiment.json and (diagnostic runs)
+  diagnostics.csv/json."""
+  dirs = [run_dir(out, v, e, s) for v, e, s in runs]
   by_variant = {v.label: i for i, v in enumerate(exp.variants)}
   summary = sorted(summarise(rows), key=lambda r: (by_variant[r["variant"]],
                                                    r["target_epsilon"]))
-  write_csv(os.path.join(out, "summary.csv"), summary)
-  floor = None
+  floor, zero_row = None, []
   if os.path.exists(os.path.join(out, "zero_shot.json")):
     with open(os.path.join(out, "zero_shot.json")) as f:
-      floor = _plotted(exp, json.load(f))
+      record = json.load(f)
+    floor = _plotted(exp, record)
+    zero_row = [zero_shot_row(record)]
+  write_csv(os.path.join(out, "summary.csv"), summary + zero_row)
   _plot(os.path.join(out, f"{exp.metric}_vs_epsilon.png"), summary, exp, floor)
+  curves = collect_curves(runs, dirs)
+  if curves and len({c["step"] for c in curves}) > 1:
+    write_csv(os.path.join(out, "curves.csv"), curves, CURVE_FIELDS)
+    _plot_curves(os.path.join(out, "valid_nll_curves.png"), curves, exp, floor)
   pairs = paired_differences(rows)
   if pairs:
     write_csv(os.path.join(out, "pairs.csv"), pairs)
+    write_csv(os.path.join(out, "decision.csv"), decide(pairs))
   diagnostics = []
   for directory in dirs:
     path = os.path.join(directory, "diagnostics.csv")
@@ -307,6 +457,71 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict], dirs: list
                  for name in ("polar_error", "cosine_error", "clipping_residual")}, f, indent=2)
   with open(os.path.join(out, "experiment.json"), "w") as f:
     json.dump(dataclasses.asdict(exp), f, indent=2)
+
+
+def zero_shot_row(record: dict) -> dict:
+  """The checkpoint before any release as a summary row (no seeds, no releases)."""
+  row = {"variant": "zero-shot start", "target_epsilon": "", "seeds": 0, "releases": 0,
+         "valid_nll_mean": record["valid_nll"]}
+  for split, scores in record.get("scores", {}).items():
+    for name in ("bleu", "rouge_l"):
+      if name in scores:
+        row[f"{split}_{name}_mean"] = scores[name]
+  return row
+
+
+CURVE_FIELDS = ("variant", "target_epsilon", "seed", "step", "epsilon_spent", "valid_nll",
+                "seconds", "cpu_seconds")
+
+
+def collect_curves(runs: list[tuple[Variant, float, int]], dirs: list[str]) -> list[dict]:
+  """Every finished run's validation-NLL curve (its ``history.csv``), one row per
+  evaluation: (variant, target ε, seed, release, ε spent so far, NLL, wall and CPU seconds
+  since the first release began)."""
+  curves = []
+  for (variant, epsilon, seed), directory in zip(runs, dirs):
+    path = os.path.join(directory, "history.csv")
+    if not os.path.exists(os.path.join(directory, "results.json")) or not os.path.exists(path):
+      continue  # unfinished: an interrupted run's history is not a result
+    with open(path, newline="") as f:
+      for r in csv.DictReader(f):
+        curves.append({"variant": variant.label, "target_epsilon": epsilon, "seed": seed,
+                       "step": int(r["step"]), "epsilon_spent": float(r["epsilon"]),
+                       "valid_nll": float(r["valid_nll"]), "seconds": float(r["seconds"]),
+                       "cpu_seconds": float(r.get("cpu_seconds") or "nan")})
+  return curves
+
+
+DECISION_FIELDS = ("comparison", "variant", "baseline", "target_epsilon", "seeds",
+                   "d_valid_nll_per_seed", "d_valid_nll_mean", "d_valid_nll_paired_se",
+                   "all_negative", "mean_below_minus_2se", "helps")
+
+
+def decide(pairs: list[dict], seeds: int = 3) -> list[dict]:
+  """The pre-registered rule on ``pairs.csv``'s validation NLL, per comparison and ε.
+
+  Inner momentum helps iff its paired Δ NLL is negative on every one of at
+  least ``seeds`` seeds and their mean is below −2 paired standard errors
+  (SE = sample std / √n). With fewer seeds ``helps`` is left empty (undecided).
+  """
+  out = []
+  keys = dict.fromkeys((p["comparison"], p["variant"], p["baseline"], p["target_epsilon"])
+                       for p in pairs if "d_valid_nll" in p)
+  for key in keys:
+    group = sorted((p for p in pairs if "d_valid_nll" in p and (
+        p["comparison"], p["variant"], p["baseline"], p["target_epsilon"]) == key),
+        key=lambda p: p["seed"])
+    d = [p["d_valid_nll"] for p in group]
+    mean = statistics.fmean(d)
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+    negative, below = all(x < 0 for x in d), len(d) > 1 and mean < -2 * se
+    out.append({"comparison": key[0], "variant": key[1], "baseline": key[2],
+                "target_epsilon": key[3], "seeds": " ".join(str(p["seed"]) for p in group),
+                "d_valid_nll_per_seed": " ".join(f"{x:+.4f}" for x in d),
+                "d_valid_nll_mean": mean, "d_valid_nll_paired_se": se,
+                "all_negative": negative, "mean_below_minus_2se": below,
+                "helps": (negative and below) if len(d) >= seeds else ""})
+  return out
 
 
 def _row(variant: Variant, epsilon: float, seed: int, config: LMTrainConfig, results: dict,
@@ -327,6 +542,10 @@ def _row(variant: Variant, epsilon: float, seed: int, config: LMTrainConfig, res
   row["run_seconds"] = run_seconds
   row["peak_rss_gib"] = results["peak_rss_gib"]
   row["peak_device_gib"] = results.get("peak_device_gib", "")
+  row["learning_rate"] = config.learning_rate
+  row["fallback_learning_rate"] = config.fallback_learning_rate
+  row["steady_peak_rss_gib"] = results.get("steady_peak_rss_gib", "")
+  row["train_cpu_seconds"] = results.get("train_cpu_seconds", "")
   return row
 
 
@@ -346,6 +565,15 @@ def summarise(rows: list[dict]) -> list[dict]:
            "max_epsilon_spent": max(r["epsilon_spent"] for r in group),
            "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in group),
            "peak_rss_gib_max": max(r["peak_rss_gib"] for r in group)}
+    for name in ("learning_rate", "fallback_learning_rate"):  # one per variant and ε
+      if group[0].get(name, "") != "":
+        row[name] = group[0][name]
+    for name, reduce in (("steady_peak_rss_gib_max", max),
+                         ("train_cpu_seconds_mean", statistics.fmean)):
+      values = [r[name.rsplit("_", 1)[0]] for r in group
+                if r.get(name.rsplit("_", 1)[0], "") != ""]
+      if values:
+        row[name] = reduce(values)
     for metric in METRICS:
       values = [r[metric] for r in group if r[metric] != ""]
       if values:
@@ -406,17 +634,17 @@ def zero_shot(exp: TextExperiment, data_dir: str, gpt2_dir: str, out: str) -> di
   config = LMTrainConfig(data_dir=data_dir, dataset=exp.dataset, init_weights=gpt2_dir,
                          vocab_size=exp.vocab_size, max_length=exp.max_length,
                          eval_pairs=exp.eval_pairs, generate_groups=exp.generate_groups,
-                         max_new_tokens=exp.max_new_tokens)
+                         max_new_tokens=exp.max_new_tokens, public_slice=exp.public_slice)
   tokenizer = GPT2Tokenizer(os.path.join(data_dir, "gpt2"), exp.vocab_size)
   apply, params, _, _ = load_model(config, tokenizer.vocab_size)
-  valid = load_text_dataset(exp.dataset, data_dir, "valid")
+  valid = load_split(config, "valid")
   arrays = encode_pairs(tokenizer, valid.pairs[:exp.eval_pairs], exp.max_length)
   started = time.perf_counter()
   record = {"checkpoint": gpt2_dir,
             "valid_nll": mean_token_nll(apply, params, arrays, config.eval_batch_size)}
   record["valid_nll_seconds"] = time.perf_counter() - started
-  record["scores"] = {split: score_split(apply, params, tokenizer,
-                                         load_text_dataset(exp.dataset, data_dir, split), config)
+  record["scores"] = {split: score_split(apply, params, tokenizer, load_split(config, split),
+                                         config)
                       for split in exp.generate_splits}
   record["decode_seconds"] = time.perf_counter() - started - record["valid_nll_seconds"]
   checkpoint = os.path.join(gpt2_dir, "results.json")
@@ -460,8 +688,9 @@ def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
             microbatch_sizes: tuple[int, ...] = (), releases: int = 2) -> list[dict]:
   """Times ``releases`` releases (after a first one that compiles) of each variant, method
   and microbatch size at the experiment's q, D, capacity and ε = max; appends the rows to
-  ``out/release_times.csv`` with the 1-minute load average (the time of a release on
-  shared cores depends on it). Without ``gpt2_dir`` the model is ``exp.model`` from
+  ``out/release_times.csv`` with the 1-minute load average (the wall time of a release on
+  shared cores depends on it; its CPU seconds, the process's time on all threads, much
+  less). Without ``gpt2_dir`` the model is ``exp.model`` from
   scratch (the same shapes: the time does not depend on the weights' values). Peak RSS
   is the measuring process's peak so far (all measurements of a call share it)."""
   variants = [v for v in exp.variants if labels is None or v.label in labels]
@@ -478,11 +707,14 @@ def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
             generate_splits=(), clipped_sum_method=method, microbatch_size=microbatch)
         results = train_lm(config)
         with open(os.path.join(config.output_dir, "history.csv")) as f:
-          seconds = [float(r["seconds"]) for r in csv.DictReader(f)]
+          history = list(csv.DictReader(f))
+        seconds = [float(r["seconds"]) for r in history]
+        cpu = [float(r["cpu_seconds"]) for r in history]
         rows.append({"variant": variant.label, "optimizer": variant.optimizer,
                      "method": method, "microbatch_size": microbatch, "capacity": exp.capacity,
                      "first_release_seconds": seconds[0],
                      "release_seconds": (seconds[-1] - seconds[0]) / releases,
+                     "release_cpu_seconds": (cpu[-1] - cpu[0]) / releases,
                      "timed_releases": releases, "peak_rss_gib": results["peak_rss_gib"],
                      "load_average_1min": os.getloadavg()[0]})
         print(json.dumps(rows[-1]), flush=True)
@@ -538,6 +770,37 @@ def _plot(path: str, summary: list[dict], exp: TextExperiment, floor: float | No
   plt.close(fig)
 
 
+def _plot_curves(path: str, curves: list[dict], exp: TextExperiment,
+                 floor: float | None = None) -> None:
+  """Validation NLL against releases, mean over seeds, one panel per ε."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  epsilons = sorted({c["target_epsilon"] for c in curves}, reverse=True)
+  fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 3.8), squeeze=False)
+  for ax, epsilon in zip(axes[0], epsilons):
+    for variant in exp.variants:
+      mine = [c for c in curves if (c["variant"], c["target_epsilon"]) == (variant.label,
+                                                                            epsilon)]
+      if not mine:
+        continue
+      steps = sorted({c["step"] for c in mine})
+      means = [statistics.fmean(c["valid_nll"] for c in mine if c["step"] == t) for t in steps]
+      seeds = len({c["seed"] for c in mine})
+      ax.plot(steps, means, marker="o", markersize=3, label=f"{variant.label} ({seeds} seeds)")
+    if floor is not None:
+      ax.axhline(floor, color="gray", linestyle="--", label="public start")
+    ax.set_xlabel("release")
+    ax.set_ylabel("validation NLL (nats / target token)")
+    ax.set_title(f"target ε = {epsilon:g}")
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -562,11 +825,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--microbatch-sizes", nargs="+", type=int, default=[],
                       help="--measure: default the experiment's")
   parser.add_argument("--releases", type=int, default=2, help="--measure: timed releases")
+  parser.add_argument("--summarise", action="store_true",
+                      help="only rewrite the summaries and plots from the recorded runs")
   args = parser.parse_args(argv)
   exp = TEXT_EXPERIMENTS[args.experiment]
   out = args.out or os.path.join(os.path.dirname(__file__), "results", exp.name)
   try:
-    if args.measure:
+    if args.summarise:
+      summarise_recorded(exp, out)
+    elif args.measure:
       measure(exp, out, args.data_dir, args.gpt2_dir, args.variants, tuple(args.methods),
               tuple(args.microbatch_sizes), args.releases)
     else:

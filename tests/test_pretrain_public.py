@@ -146,11 +146,33 @@ def test_tiny_pretraining_round_trips_and_fine_tunes_privately(tmp_path, monkeyp
 
 
 @needs_text_data
-def test_cli_writes_weights_results_and_curve(tmp_path):
+def test_public_e2e_slice_joins_dart_and_only_public_restaurants(tmp_path, monkeypatch):
+  config = pp.PretrainConfig(data_dir=TEXT_DIR, vocab_size=512, e2e_public_slice=5, **TINY)
+  opened = _record_opened(monkeypatch)
+  _, train, heldout, counts = pp.public_data(config)
+  monkeypatch.undo()
+  e2e_files = {os.path.basename(p) for p in opened if os.sep + "e2e" + os.sep in p}
+  assert e2e_files == {"src1_train.txt.gz"}  # never validation or test
+  assert counts["e2e_public_names"] == sorted(PUBLIC_NAMES) and counts["dart_pairs"] == 10_551
+  assert counts["e2e_public_pairs"] == 10_486 and counts["e2e_public_rule"].endswith("% 5 == 0")
+  assert counts["pairs"] == 10_551 + 10_486 == len(train["tokens"]) + len(heldout["tokens"])
+  pairs, names = pp.public_e2e_pairs(TEXT_DIR, 5)
+  assert {p.source.split("|")[0].split(":")[1].strip() for p in pairs} == set(names)
+
+
+PUBLIC_NAMES = {"The Rice Boat", "The Golden Curry", "Browns Cambridge", "Wildwood", "Cocum",
+                "Midsummer House", "Bibimbap House"}
+
+
+@needs_text_data
+@pytest.mark.parametrize("public_slice", [None, 5])
+def test_cli_writes_weights_results_and_curve(tmp_path, public_slice):
   out = tmp_path / "w"
   args = ["--data-dir", TEXT_DIR, "--out", str(out), "--dim", "16", "--layers", "1",
           "--heads", "2", "--steps", "2", "--batch-size", "4", "--log-every", "1",
           "--vocab-size", "512", "--e2e-eval-pairs", "8"]
+  if public_slice:
+    args += ["--e2e-public-slice", str(public_slice)]
   assert pp.main(args) == 0
   with open(out / "results.json") as f:
     results = json.load(f)
@@ -158,6 +180,8 @@ def test_cli_writes_weights_results_and_curve(tmp_path):
   assert results["roundtrip_bit_exact"] and results["model"]["vocab_size"] == 512
   assert results["data"]["excluded_origins"] == ["e2e"]
   assert np.isfinite(results["e2e_valid_zero_shot_nll"]) and results["e2e_eval_pairs"] == 8
+  assert results["config"]["e2e_public_slice"] == public_slice
+  assert ("e2e_public_pairs" in results["data"]) == bool(public_slice)
   assert (out / "history.csv").read_text().splitlines()[0].startswith("step,")
   # The fixed seed rebuilds the same weights, bit for bit (the E2E sweep's checkpoint guard
   # relies on it).

@@ -89,6 +89,10 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
   with open(os.path.join(config.output_dir, "history.csv")) as f:
     history = list(csv.DictReader(f))
   assert [int(r["step"]) for r in history] == [1, 2, 3]
+  cpu = [float(r["cpu_seconds"]) for r in history]
+  assert 0 < cpu[0] < cpu[1] < cpu[2] <= results["train_cpu_seconds"]
+  # The steady-state peak (releases 2..T, after the reset) is within the run's own peak.
+  assert 0 < results["steady_peak_rss_gib"] <= results["peak_rss_gib"]
   assert np.isfinite(results["valid_nll"]) and results["valid_nll"] > 0
   assert results["scores"]["test"]["groups"] == 2
   assert np.isfinite(results["scores"]["test"]["bleu"])
@@ -312,6 +316,11 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
   expected = mean_token_nll(apply, params, encode_pairs(tokenizer, valid, exp.max_length), 64)
   assert record["valid_nll"] == pytest.approx(expected, rel=1e-6)
   assert record["checkpoint_valid_nll"] == 6.25 and record["scores"]["test"]["groups"] == 2
+  with open(tmp_path / "out" / "summary.csv") as f:
+    zero = list(csv.DictReader(f))[-1]  # the start's own row, after the runs'
+  assert zero["variant"] == "zero-shot start" and zero["releases"] == "0"
+  assert float(zero["valid_nll_mean"]) == pytest.approx(record["valid_nll"])
+  assert float(zero["test_bleu_mean"]) == pytest.approx(record["scores"]["test"]["bleu"])
   assert (tmp_path / "out" / f"{exp.metric}_vs_epsilon.png").exists()
   # A rebuilt checkpoint that differs may not add runs to the same table (the refusal
   # comes from the setup's own process, as in a real sweep).

@@ -23,6 +23,12 @@ grouped and the model generates once per source.
   ``null`` references dropped). The trailing space Li et al. append after the
   closing ``<|endoftext|>`` is not reproduced.
 
+E2E's public slice (:func:`split_public_slice`): the pairs of the restaurants
+whose name hashes to 0 mod m (:func:`in_public_slice`) may serve as public
+data, e.g. to pretrain a start, and are then removed from every split a
+private run trains on or is scored on; ``LMTrainConfig(public_slice=m)``
+does so.
+
 Local files: one data folder, each file plain or gzipped:
 ``e2e/src1_{train,valid,test}.txt[.gz]``; ``dart/{split}.jsonl[.gz]`` (lines
 ``{"tripleset", "references"}``) or the official
@@ -46,6 +52,7 @@ them into this layout, nothing in the library downloads on its own):
 from __future__ import annotations
 
 import gzip
+import hashlib
 import itertools
 import json
 import os
@@ -128,6 +135,42 @@ def load_e2e(data_dir: str | os.PathLike, split: str) -> TextDataset:
         source, target = line.split("||")
         pairs.append(TextPair(source, target))
   return TextDataset("e2e", name, pairs, _group(pairs))
+
+
+def e2e_name(source: str) -> str:
+  """The restaurant of an E2E ``src1`` source: the value of its ``name : X`` field
+  (always the first field)."""
+  field, _, value = source.split("|")[0].partition(":")
+  if field.strip() != "name":
+    raise ValueError(f"E2E source without a leading name field: {source!r}")
+  return value.strip()
+
+
+def in_public_slice(name: str, modulus: int) -> bool:
+  """Whether restaurant ``name`` is public: sha256(name, UTF-8) ≡ 0 (mod ``modulus``).
+
+  A rule on the name alone, fixed before any run: about one name in ``modulus``
+  is public, whatever the data, and every example of a name falls on one side.
+  """
+  return int(hashlib.sha256(name.encode("utf-8")).hexdigest(), 16) % modulus == 0
+
+
+def split_public_slice(data: TextDataset, modulus: int) -> tuple[TextDataset, TextDataset]:
+  """(private, public) parts of an E2E split by :func:`in_public_slice` of each pair's name
+  (the evaluation groups of each part are the split's own, not regrouped).
+
+  The public part may be used without privacy (e.g. to pretrain); the private
+  part is what a private run trains on (its N is the private count) and is
+  evaluated on, so no public restaurant is ever scored.
+  """
+  if data.name != "e2e":
+    raise ValueError(f"The public slice is defined by E2E restaurant names, not {data.name!r}.")
+  public = lambda source: in_public_slice(e2e_name(source), modulus)
+  private_part, public_part = (
+      TextDataset(data.name, data.split, [p for p in data.pairs if public(p.source) is side],
+                  [g for g in data.groups if public(g.source) is side])
+      for side in (False, True))
+  return private_part, public_part
 
 
 def dart_source(tripleset: Sequence[Sequence[str]]) -> str:

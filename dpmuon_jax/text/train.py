@@ -27,11 +27,14 @@ covered by the guarantee.
 
 Wall time and peak memory (the device's peak allocation where the backend
 reports it, and the process's peak RSS, both since the process started) are
-recorded for the K sweep of §5.3.
+recorded for the K sweep of §5.3, and on Linux the steady-state peak RSS:
+the high-water mark over releases 2..T (and their validation NLL), reset
+after the first release so it excludes the first release's compilation.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -57,7 +60,13 @@ from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
-from dpmuon_jax.text.data import TextDataset, encode_pairs, encode_prompts, load_text_dataset
+from dpmuon_jax.text.data import (
+    TextDataset,
+    encode_pairs,
+    encode_prompts,
+    load_text_dataset,
+    split_public_slice,
+)
 from dpmuon_jax.text.generate import beam_search, decode_texts, greedy_decode
 from dpmuon_jax.text.gpt2 import (
     GPT2,
@@ -128,6 +137,10 @@ class LMTrainConfig:
     train_split: the split trained on (``"train"``; CI's one-step smoke runs
       use ``"valid"``, which is always present).
     train_subset: the first n training pairs only (CPU scale); N is then n.
+    public_slice: E2E only: every pair whose restaurant is public
+      (:func:`~dpmuon_jax.text.data.in_public_slice` with this modulus) is
+      removed from every split, so training (N, q's meaning, the accounting),
+      validation and decoding see the private restaurants only; ``None``: all.
     capacity: rows of each padded Poisson batch (default mean + 6 sd); a
       sample above it is not cut but spills into extra chunks of the same
       release, so a tighter capacity only trades padding for extra chunks.
@@ -164,6 +177,7 @@ class LMTrainConfig:
   clipped_sum_method: str = "vmap"
   train_split: str = "train"
   train_subset: int | None = None
+  public_slice: int | None = None
   capacity: int | None = None
   eval_every: int | None = None
   eval_pairs: int | None = None
@@ -179,7 +193,8 @@ class LMTrainConfig:
 
 _POSITIVE_INTS = ("steps", "max_length", "eval_batch_size", "beam_size", "max_new_tokens",
                   "diagnostic_examples")
-_OPTIONAL_POSITIVE_INTS = ("vocab_size", "microbatch_size", "train_subset", "capacity",
+_OPTIONAL_POSITIVE_INTS = ("vocab_size", "microbatch_size", "train_subset", "public_slice",
+                           "capacity",
                            "eval_every", "eval_pairs", "generate_groups")
 
 
@@ -256,6 +271,21 @@ def peak_memory() -> dict[str, float]:
   return out
 
 
+def reset_peak_rss() -> bool:
+  """Resets this process's VmHWM to its current resident set (Linux ≥ 4.0), after handing
+  the heap freed since (e.g. by the compiler) back to the system; False where unsupported."""
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
 def peak_rss_gib() -> float:
   """This process's peak resident set in GiB: Linux's VmHWM, which belongs to the process's
   own memory map, else ``ru_maxrss``, which Linux carries over from the parent through
@@ -317,12 +347,18 @@ class _LMData(NamedTuple):
   num_pairs: int
 
 
+def load_split(config: LMTrainConfig, split: str) -> TextDataset:
+  """A split of ``config.dataset``, without its public slice where ``config.public_slice``."""
+  data = load_text_dataset(config.dataset, config.data_dir, split)
+  return data if config.public_slice is None else split_public_slice(data, config.public_slice)[0]
+
+
 def _load_lm_data(config: LMTrainConfig) -> _LMData:
   """Tokenizer, the training pairs (encoded) and the validation split."""
   tokenizer = GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
                             config.vocab_size)
-  train = load_text_dataset(config.dataset, config.data_dir, config.train_split)
-  valid = load_text_dataset(config.dataset, config.data_dir, "valid")
+  train = load_split(config, config.train_split)
+  valid = load_split(config, "valid")
   pairs = train.pairs[:config.train_subset]
   return _LMData(
       tokenizer, valid, encode_pairs(tokenizer, pairs, config.max_length),
@@ -383,17 +419,24 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
           loss_fn, state.params, ordered_history(state.opt_state), state.step, config, probe_batch)
       diagnostic_rows.extend(rows)
 
+  first_release_rss = []  # the peak up to the end of the first release (compilation)
+
   def after(previous: LoopState, state: LoopState, out) -> None:
     del previous, out
+    if state.step == 1 and config.steps > 1:
+      first_release_rss.append(peak_rss_gib())
+      if not reset_peak_rss():
+        first_release_rss.clear()
     if state.step % eval_every == 0 or state.step == config.steps:
       history.append({"step": state.step, "epsilon": ledger.epsilon(),
                       "valid_nll": validation_nll(state.params),
-                      "seconds": time.perf_counter() - started})
+                      "seconds": time.perf_counter() - started,
+                      "cpu_seconds": time.process_time() - cpu_started})
       print(json.dumps(history[-1]), flush=True)
       if tracker is not None:
         tracker.scalars(state.step, _lm_scalars(config, history[-1]))
 
-  started = time.perf_counter()
+  started, cpu_started = time.perf_counter(), time.process_time()
   state, _ = run_releases(
       step_fn, LoopState(params, opt_state, 0, 0), config.steps, sampler=setup.sampler,
       optimizer=optimizer, ledger=ledger, hooks=Hooks(before, after),
@@ -401,10 +444,15 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
                                    for c in padded],
   )
   train_seconds = time.perf_counter() - started
+  train_cpu_seconds = time.process_time() - cpu_started
   memory = peak_memory()
+  if first_release_rss:  # VmHWM now holds releases 2..T only (and their validation NLL)
+    memory["steady_peak_rss_gib"] = memory["peak_rss_gib"]
+    memory["peak_rss_gib"] = max(memory["peak_rss_gib"], first_release_rss[0])
 
   results = _lm_results(config, apply, state.params, lm_data, setup, ledger, history,
-                        validation_nll, gpt2_config, pretrained, root, train_seconds, memory)
+                        validation_nll, gpt2_config, pretrained, root, train_seconds, memory,
+                        train_cpu_seconds)
   _write_lm_outputs(config.output_dir, results, history, diagnostic_rows, probe)
   if tracker is not None:
     tracker.close()
@@ -432,12 +480,12 @@ def _write_lm_outputs(output_dir: str, results: dict, history: list[dict],
 
 
 def _lm_results(config, apply, params, lm_data: _LMData, setup, ledger, history, validation_nll,
-                gpt2_config, pretrained, root, train_seconds, memory) -> dict:
+                gpt2_config, pretrained, root, train_seconds, memory,
+                train_cpu_seconds) -> dict:
   """Scores on the generation splits and the run's record (ε, σ, q, D, time, memory)."""
   scores = {}
   for split in config.generate_splits:
-    data = lm_data.valid if split == "valid" else load_text_dataset(
-        config.dataset, config.data_dir, split)
+    data = lm_data.valid if split == "valid" else load_split(config, split)
     scores[split] = score_split(apply, params, lm_data.tokenizer, data, config)
   results = {
       "config": dataclasses.asdict(config),
@@ -454,6 +502,7 @@ def _lm_results(config, apply, params, lm_data: _LMData, setup, ledger, history,
       "seeded": bool(root.seeded),
       "valid_nll": history[-1]["valid_nll"] if history else validation_nll(params),
       "train_seconds": train_seconds,
+      "train_cpu_seconds": train_cpu_seconds,
       **memory,
       "scores": scores,
       "guarantee": "per run, for the training pairs; selection across runs is not covered",
