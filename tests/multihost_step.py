@@ -73,7 +73,9 @@ def releases(mesh, sampler_root, noise_root):
   """RELEASES private steps of the MLP; its parameters (this process's copy) and fed rows."""
   capacity = sharded_capacity(N, RATE, 8)
   sampler = PoissonSampler(N, RATE, capacity=capacity, key=sampler_root)
-  opt = dp_sgd(LR, CLIP, SIGMA, DENOMINATOR, key=noise_root)
+  # The raw key names the root's own noise stream: every variant adds the noise the correct
+  # run adds (a RootKey object would hand each optimizer built from it a stream of its own).
+  opt = dp_sgd(LR, CLIP, SIGMA, DENOMINATOR, key=noise_root.key)
   step = make_private_step(opt, loss_fn, mesh=mesh)
   params, state, rows, samples = PARAMS, opt.init(PARAMS), [], []
   for t in range(RELEASES):
@@ -90,7 +92,7 @@ def releases(mesh, sampler_root, noise_root):
 def library_noise(mesh, root):
   """The update of one release of a zero gradient: −lr·z/D, z the release's noise."""
   big = {"v": np.zeros(NOISE_DIM, np.float32)}
-  opt = dp_sgd(LR, CLIP, SIGMA, DENOMINATOR, key=root)
+  opt = dp_sgd(LR, CLIP, SIGMA, DENOMINATOR, key=root.key)
   step = make_private_step(opt, zero_gradient_loss, mesh=mesh)
   sampler = PoissonSampler(N, RATE, capacity=sharded_capacity(N, RATE, 8), key=root)
   out = step(big, opt.init(big), [place(mesh, c) for c in sampler.sample(0)])
