@@ -488,7 +488,8 @@ def _lm_results(config, apply, params, lm_data: _LMData, setup, ledger, history,
     data = lm_data.valid if split == "valid" else load_split(config, split)
     scores[split] = score_split(apply, params, lm_data.tokenizer, data, config)
   results = {
-      "config": dataclasses.asdict(config),
+      # The seed is the root key of a seeded run: it stays out of what a run reports.
+      "config": {**dataclasses.asdict(config), "seed": None},
       "pretrained": pretrained,
       "model": gpt2_config._asdict(),
       "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
