@@ -41,7 +41,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -378,6 +378,34 @@ def _lm_setup(config: LMTrainConfig, n: int, root) -> PrivateSetup:
   )
 
 
+def _check_probe(config: LMTrainConfig, probe: DiagnosticProbe | None) -> None:
+  if config.diagnostic_steps and probe is None:
+    raise ValueError("diagnostic_steps need a probe: pass e.g. "
+                     "probe=dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe().")
+
+
+def _note_first_release(step: int, steps: int, first_release_rss: list[float]) -> None:
+  """After release 1: keep the peak so far (compilation) and reset the high-water mark."""
+  if step == 1 and steps > 1:
+    first_release_rss.append(peak_rss_gib())
+    if not reset_peak_rss():
+      first_release_rss.clear()
+
+
+def _chunks_of(train_arrays: dict) -> Callable:
+  """The loop's ``to_chunks``: each padded chunk's rows gathered, with its mask."""
+  return lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask)) for c in padded]
+
+
+def _run_memory(first_release_rss: list[float]) -> dict:
+  """Peak RSS of the run, and its steady state (releases 2..T) when the reset worked."""
+  memory = peak_memory()
+  if first_release_rss:  # VmHWM now holds releases 2..T only (and their validation NLL)
+    memory["steady_peak_rss_gib"] = memory["peak_rss_gib"]
+    memory["peak_rss_gib"] = max(memory["peak_rss_gib"], first_release_rss[0])
+  return memory
+
+
 def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dict:
   """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
   (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``.
@@ -387,15 +415,12 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   :class:`dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe`.
   """
   validate_config(config)
-  if config.diagnostic_steps and probe is None:
-    raise ValueError("diagnostic_steps need a probe: pass e.g. "
-                     "probe=dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe().")
+  _check_probe(config, probe)
   os.makedirs(config.output_dir, exist_ok=True)
   tracker = tensorboard_writer(config.log_dir)  # fails here, before any release, if absent
   lm_data = _load_lm_data(config)
-  tokenizer = lm_data.tokenizer
   train_arrays, valid_arrays, n = lm_data.train_arrays, lm_data.valid_arrays, lm_data.num_pairs
-  apply, params, gpt2_config, pretrained = load_model(config, tokenizer.vocab_size)
+  apply, params, gpt2_config, pretrained = load_model(config, lm_data.tokenizer.vocab_size)
 
   root = root_key(config.seed)
   setup = _lm_setup(config, n, root)
@@ -410,8 +435,7 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   history: list[dict] = []
   eval_every = config.eval_every or config.steps
 
-  def validation_nll(params) -> float:
-    return mean_token_nll(apply, params, valid_arrays, config.eval_batch_size)
+  validation_nll = lambda p: mean_token_nll(apply, p, valid_arrays, config.eval_batch_size)
 
   def before(state: LoopState) -> None:
     if state.step in config.diagnostic_steps:  # NON-PRIVATE probe, labelled as such
@@ -423,10 +447,7 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
 
   def after(previous: LoopState, state: LoopState, out) -> None:
     del previous, out
-    if state.step == 1 and config.steps > 1:
-      first_release_rss.append(peak_rss_gib())
-      if not reset_peak_rss():
-        first_release_rss.clear()
+    _note_first_release(state.step, config.steps, first_release_rss)
     if state.step % eval_every == 0 or state.step == config.steps:
       history.append({"step": state.step, "epsilon": ledger.epsilon(),
                       "valid_nll": validation_nll(state.params),
@@ -440,15 +461,10 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   state, _ = run_releases(
       step_fn, LoopState(params, opt_state, 0, 0), config.steps, sampler=setup.sampler,
       optimizer=optimizer, ledger=ledger, hooks=Hooks(before, after),
-      to_chunks=lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask))
-                                   for c in padded],
-  )
-  train_seconds = time.perf_counter() - started
-  train_cpu_seconds = time.process_time() - cpu_started
-  memory = peak_memory()
-  if first_release_rss:  # VmHWM now holds releases 2..T only (and their validation NLL)
-    memory["steady_peak_rss_gib"] = memory["peak_rss_gib"]
-    memory["peak_rss_gib"] = max(memory["peak_rss_gib"], first_release_rss[0])
+      to_chunks=_chunks_of(train_arrays))
+  train_seconds, train_cpu_seconds = (time.perf_counter() - started,
+                                      time.process_time() - cpu_started)
+  memory = _run_memory(first_release_rss)
 
   results = _lm_results(config, apply, state.params, lm_data, setup, ledger, history,
                         validation_nll, gpt2_config, pretrained, root, train_seconds, memory,
