@@ -3,8 +3,8 @@ into a fresh virtual environment and run the ``dpmuon`` command from outside the
 
 The environment reuses the dependencies installed for the interpreter running the tests:
 a ``.pth`` file lists the folders of that interpreter's import path, so this works whether it is
-a virtual environment, a conda environment or a system Python (``--system-site-packages``
-would expose the *base* interpreter's packages, not a virtual environment's). The
+a virtual environment, a conda environment or a system Python (venv's system-site-packages
+option would expose the *base* interpreter's packages, not a virtual environment's). The
 environment gets its own copy of ``dpmuon_jax`` from the wheel (``--no-deps
 --force-reinstall``); the test checks that this copy, not the checkout nor an editable
 install, is the one imported.
