@@ -10,27 +10,9 @@ a private GPT-2 step here, 0.07 GiB for a non-private one).
 
 from __future__ import annotations
 
-import ctypes
+from dpmuon_jax.text.train import reset_peak_rss
 
-
-def _trim_heap() -> None:
-  """Returns freed heap pages to the system (glibc); a no-op elsewhere."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
-
-
-def reset_peak_rss() -> bool:
-  """Trims the freed heap, then resets the kernel's high-water mark VmHWM of this
-  process (Linux ≥ 4.0)."""
-  _trim_heap()
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
+__all__ = ["peak_rss_gib", "reset_peak_rss"]  # the library's reset: trim the heap, then VmHWM
 
 
 def peak_rss_gib() -> float:
