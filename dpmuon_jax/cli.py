@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+from dpmuon_jax.help_format import HelpFormatter
+
 _DESCRIPTION = """\
 Differentially private training with spectral (Muon-style) optimizers.
 
@@ -43,18 +45,6 @@ def _positive_int(text: str) -> int:
   if value <= 0:
     raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
   return value
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-  """Appends an option's default to its help, unless the help already names its default
-  or there is none to show (None, or a flag that takes no value)."""
-
-  def _get_help_string(self, action: argparse.Action) -> str:
-    text = action.help or ""
-    if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0
-        or "default" in text.lower()):
-      return text
-    return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

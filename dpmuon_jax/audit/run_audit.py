@@ -43,6 +43,7 @@ from dpmuon_jax.audit.canaries import (
     white_box_scores,
 )
 from dpmuon_jax.audit.one_run import epsilon_one_run
+from dpmuon_jax.help_format import HelpFormatter
 from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
 from dpmuon_jax.privacy.keys import root_key
@@ -246,8 +247,6 @@ accountant, to show that the audit catches such a bug.
 
 
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
-  from dpmuon_jax.cli import HelpFormatter
-
   p = argparse.ArgumentParser(prog=prog or "python -m dpmuon_jax.audit.run_audit",
                               description=_DESCRIPTION, formatter_class=HelpFormatter)
   d = AuditConfig()
