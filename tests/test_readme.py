@@ -6,7 +6,9 @@ import re
 import subprocess
 import sys
 import tarfile
+import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,10 +21,15 @@ def test_readme_examples_run():
   ns: dict = {}
   exec(blocks[0], ns)
   batch = {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 2))}
-  params, _ = ns["step"](ns["params"], ns["state"], batch, jnp.arange(8) < 5)
+  params, state = ns["step"](ns["params"], ns["state"], batch, jnp.arange(8) < 5)
   assert params["w"].shape == (4, 2)
-  ns.update(batch=batch, mask=jnp.ones(8, bool))
-  exec(blocks[1], ns)
+  # The next block continues from the state the step returned, as a user's loop would (the
+  # initial state's key was spent by that step: reusing it releases NaN, by design).
+  ns.update(batch=batch, mask=jnp.ones(8, bool), state=state)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    exec(blocks[1], ns)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(ns["updates"]))
   exec(blocks[2], ns)
   small = (
       blocks[3]
