@@ -145,3 +145,47 @@ def test_a_mesh_must_use_every_device():
   with pytest.raises(ValueError, match=r"The mesh 3x2 needs positive axis sizes whose product "
                                        r"is the 8 devices"):
     model_mesh(3, 2, devices=devices[:8])
+
+
+def test_dpmuon_train_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path, capsys):
+  from dpmuon_jax import cli
+
+  code = cli.main(["train", "--mesh", "2x4", "--max-steps", "1", "--no-progress", "--no-plot",
+                   "--output-dir", str(tmp_path / "run")])
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert err == (f"dpmuon train: error: --mesh: The mesh 2x4 needs positive axis sizes whose "
+                 f"product is the {jax.device_count()} devices (e.g. {jax.device_count()}x1 or "
+                 f"1x{jax.device_count()}).")
+
+
+def test_train_lm_refuses_a_malformed_mesh_before_loading_anything(tmp_path):
+  from dpmuon_jax.text.train import LMTrainConfig, train_lm
+
+  with pytest.raises(ValueError, match="DATAxMODEL"):
+    train_lm(LMTrainConfig(data_dir=str(tmp_path / "absent"), mesh="2by4"))
+
+
+_TRAINER_SCRIPT = """
+import json, sys
+from dpmuon_jax.training.trainer import TrainConfig, train
+out = {}
+for name, layout in (("one", {}), ("mesh", {"mesh": "1x2"})):
+  cfg = TrainConfig(max_steps=2, seed=1, batch_size=64, epochs=1, progress=False, plot=False,
+                    output_dir=f"{sys.argv[1]}/{name}", **layout)
+  out[name] = train(cfg)
+print(json.dumps(out))
+"""
+
+
+def test_dpmuon_train_on_a_model_mesh_matches_one_device(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+  proc = subprocess.run([sys.executable, "-c", _TRAINER_SCRIPT, str(tmp_path)], env=env,
+                        capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  one, mesh = results["one"], results["mesh"]
+  assert one["releases"] == mesh["releases"] == 2
+  assert one["epsilon_spent"] == mesh["epsilon_spent"]
+  np.testing.assert_allclose(one["final_test_loss"], mesh["final_test_loss"], rtol=1e-5)
