@@ -96,13 +96,13 @@ def _sum_over_mesh(chunk_sum: Callable, mesh: Mesh) -> Callable:
   )
 
 
-def _rows_whole(mesh: Mesh | None) -> bool:
-  """Whether every device sees every row: no mesh, or a (1, model) mesh.
+def _rows_whole(mesh: Mesh) -> bool:
+  """Whether every device of the mesh sees every row: a (1, model) mesh.
 
-  On a (1, model) mesh there is nothing to add over 'data', and XLA's
-  partitioner refuses a size-1 manual axis beside an automatic one.
+  There is nothing to add over 'data' then, and XLA's partitioner refuses a
+  size-1 manual axis beside an automatic one.
   """
-  return mesh is None or (MODEL_AXIS in mesh.axis_names and dict(mesh.shape).get(DATA_AXIS) == 1)
+  return MODEL_AXIS in mesh.axis_names and dict(mesh.shape).get(DATA_AXIS) == 1
 
 
 def make_private_step(
@@ -161,7 +161,7 @@ def make_private_step(
       clipped_sum_method, vmap_sum, loss_fn,
       terms, clipping, microbatch_size)
 
-  summed = local_sum if _rows_whole(mesh) else _sum_over_mesh(local_sum, mesh)
+  summed = local_sum if mesh is None or _rows_whole(mesh) else _sum_over_mesh(local_sum, mesh)
 
   def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
     return summed(read_inputs(params, opt_state), batch, mask)
