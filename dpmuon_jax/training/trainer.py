@@ -355,6 +355,8 @@ def run_fingerprint(config: TrainConfig, data: ImageDataset) -> str:
     digest.update(f"{array.dtype}{array.shape}".encode())
     digest.update(array.tobytes())
   digest.update(f"{jax.__version__} {jax.default_backend()} {_library_version()}".encode())
+  # The key -> noise map depends on it: a replay under the other setting would add other noise.
+  digest.update(f"threefry_partitionable={jax.config.values['jax_threefry_partitionable']}".encode())
   if is_multi_process():  # another summation order: a release would not replay bit for bit
     digest.update(f"processes={jax.process_count()} devices={jax.device_count()}".encode())
   return digest.hexdigest()
