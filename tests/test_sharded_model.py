@@ -189,3 +189,37 @@ def test_dpmuon_train_on_a_model_mesh_matches_one_device(tmp_path):
   assert one["releases"] == mesh["releases"] == 2
   assert one["epsilon_spent"] == mesh["epsilon_spent"]
   np.testing.assert_allclose(one["final_test_loss"], mesh["final_test_loss"], rtol=1e-5)
+
+
+TEXT_DIR = HERE.parent.parent / "shared" / "data" / "text"
+_LM_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from test_text_train import _tiny_config
+from pathlib import Path
+from dpmuon_jax.text.train import train_lm
+out = {name: train_lm(_tiny_config(Path(sys.argv[1]) / name, generate_splits=(), steps=2,
+                                   clipped_sum_method="ghost", **layout))
+       for name, layout in (("one", {}), ("mesh", {"mesh": "1x2"}))}
+try:
+  train_lm(_tiny_config(Path(sys.argv[1]) / "bad", mesh="3x1"))
+  refused = ""
+except ValueError as error:
+  refused = str(error)
+print(json.dumps({"refused": refused, **{k: {"nll": v["valid_nll"], "releases": v["releases"]}
+                                         for k, v in out.items()}}))
+"""
+
+
+@pytest.mark.skipif(not (TEXT_DIR / "gpt2").is_dir(), reason="shared/data/text is not present")
+def test_train_lm_on_a_model_mesh_matches_one_device(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+  proc = subprocess.run([sys.executable, "-c", _LM_SCRIPT, str(tmp_path), str(HERE)], env=env,
+                        capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert results["one"]["releases"] == results["mesh"]["releases"] == 2
+  assert results["mesh"]["nll"] == pytest.approx(results["one"]["nll"], rel=1e-5)
+  assert results["refused"].startswith("The mesh 3x1 needs positive axis sizes whose product is "
+                                       "the 2 devices")
