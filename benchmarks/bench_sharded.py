@@ -1,11 +1,18 @@
-"""Throughput of the data-parallel private step on 1, 2, 4, 8 simulated CPU devices.
+"""The private step on 8 simulated CPU devices: data-parallel throughput, sharded GPT-2 state.
 
     python benchmarks/bench_sharded.py [--batch 256] [--steps 20] [--no-audit]
-    python benchmarks/bench_sharded.py --quick     # B = 64, 2 steps, no audit (smoke run)
+    python benchmarks/bench_sharded.py --quick     # B = 64, 2 steps, tiny GPT-2, no audit
+
+1. Throughput of the data-parallel step on 1, 2, 4, 8 devices.
+2. A GPT-2 (4 layers, width 256, 8,192 tokens) with DP-Muon-IM (K = 4: six
+   parameter-sized buffers) on the meshes (8/model) × model, model = 1, 2, 4,
+   8: per-device bytes of parameters + optimizer state against total / model,
+   the compiled step's per-device memory, the step time, and Newton–Schulz on
+   one 256 × 1024 matrix split over 'model' (partitioned by XLA vs gathered).
 
 Each device count runs in its own subprocess (the count must be fixed before
-JAX starts). Simulated CPU devices share the machine's cores, so the ratio to
-one device measures the overhead of sharding (psum, layout), not a speed-up.
+JAX starts). Simulated CPU devices share the machine's cores, so times
+measure the overhead of sharding (collectives, layout), not a speed-up.
 Also times one white-box one-run audit (10⁴ canaries, digits MLP).
 """
 
@@ -15,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 _WORKER = """
 import json, time, warnings
@@ -58,6 +66,38 @@ def _run(devices: int, batch: int, steps: int) -> dict:
   return json.loads(line[len("RESULT"):])
 
 
+STATE_BUDGET_MIB = 64.0
+"""The per-device budget of section 2: the full state (about 125 MiB) does not fit it."""
+
+
+def _run_sharded(model: int, quick: bool) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  worker = Path(__file__).resolve().parent / "_sharded_worker.py"
+  proc = subprocess.run([sys.executable, str(worker), str(model), "1" if quick else "0"],
+                        env=env, capture_output=True, text=True, check=True)
+  line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+  return json.loads(line[len("RESULT"):])
+
+
+def sharded_table(quick: bool) -> None:
+  """Section 2's table; at model = 8 the state must be within 1.15× of total / 8."""
+  rows = [_run_sharded(m, quick) for m in ((1, 8) if quick else (1, 2, 4, 8))]
+  total = rows[0]["state_bytes_total"] / 2**20
+  print(f"\nGPT-2 + DP-Muon-IM (K = {4}) state: {total:.1f} MiB in all; budget "
+        f"{STATE_BUDGET_MIB:.0f} MiB per device")
+  print(f"{'mesh':>6} {'state MiB/dev':>14} {'/ (total/model)':>16} {'step MiB/dev':>13} "
+        f"{'step s':>7} {'NS XLA s':>9} {'NS gather s':>12}")
+  for r in rows:
+    per = r["state_bytes_per_device"] / 2**20
+    print(f"{8 // r['model']}x{r['model']:<4} {per:>14.1f} {per / (total / r['model']):>16.3f} "
+          f"{r['step_bytes_per_device'] / 2**20:>13.1f} {r['step_s']:>7.3f} "
+          f"{r['ns_partitioned_s']:>9.4f} {r['ns_gathered_s']:>12.4f}")
+  last = rows[-1]
+  ratio = last["state_bytes_per_device"] / (last["state_bytes_total"] / last["model"])
+  if ratio > 1.15:
+    raise SystemExit(f"per-device state at model = {last['model']} is {ratio:.3f}x total/model")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="B = 64, 2 steps, no audit")
@@ -74,6 +114,7 @@ def main() -> None:
   print(f"{'devices':>8} {'examples/s':>12} {'ratio to 1':>11}")
   for r in rows:
     print(f"{r['devices']:>8} {r['examples_per_s']:>12.0f} {r['examples_per_s'] / base:>11.2f}")
+  sharded_table(args.quick)
   if args.audit:
     from dpmuon_jax.audit.run_audit import AuditConfig, audit
 

@@ -11,6 +11,9 @@
    DP-SGD with per-example gradients (microbatches of 16): tokens/s, the
    ratio to the non-private step, and the device's peak memory so far (the
    steps run in this order, so each increase belongs to the step that made it).
+4. The same GPT-2 with DP-Muon-IM (K = 4, ghost clipping) on a (1, n) mesh of
+   all n devices: parameters and optimizer state split over 'model'
+   (per-device bytes against total / n) and the step time.
 
     python benchmarks/gpu_check.py            # accelerator sizes (B = 1024)
     python benchmarks/gpu_check.py --quick    # CPU-sized smoke run
@@ -177,6 +180,38 @@ def check_gpt2_ghost(quick: bool, repeats: int) -> None:
           f"{seconds / base:5.2f}× non-private  peak memory so far {_peak_gib():.2f} GiB")
 
 
+def check_gpt2_sharded(quick: bool, repeats: int) -> None:
+  from flax import nnx
+
+  from dpmuon_jax.distributed.mesh import shard_batch
+  from dpmuon_jax.distributed.sharding import model_mesh, per_device_bytes, shard_train_state
+  from dpmuon_jax.models.taps import tapped
+  from dpmuon_jax.optimizers import dp_muon_im
+  from dpmuon_jax.text.gpt2 import GPT2, GPT2_SMALL, GPT2Config, gpt2_model, lm_loss
+  from dpmuon_jax.training.step import make_private_step
+
+  config = (GPT2Config(vocab_size=512, max_positions=64, dim=32, num_layers=1, num_heads=2)
+            if quick else GPT2_SMALL)
+  batch_size, length, n = (8, 32, jax.device_count()) if quick else (64, 128, jax.device_count())
+  mesh = model_mesh(1, n)
+  apply, params = gpt2_model(tapped(GPT2(config, rngs=nnx.Rngs(0))))
+  opt = dp_muon_im(0.02, 1.0, 1.0, float(batch_size), key=0, history=4)
+  params, state = shard_train_state(mesh, params, opt.init(params))
+  tokens = np.asarray(jax.random.randint(jax.random.key(1), (batch_size, length), 0,
+                                         config.vocab_size))
+  batch, mask = shard_batch(mesh, {"tokens": tokens,
+                                   "loss_mask": np.ones((batch_size, length), np.int32)},
+                            np.ones(batch_size, bool))
+  step = make_private_step(opt, lm_loss(apply), mesh=mesh, clipped_sum_method="ghost")
+  empty = step.empty_overflow(params)
+  seconds = _median_time(lambda: step.step(params, state, batch, mask, empty), repeats)
+  per, total = per_device_bytes((params, state)), sum(x.nbytes for x in jax.tree.leaves(
+      (params, state)))
+  print(f"\n== GPT-2 DP-Muon-IM (K = 4, ghost) on a 1 x {n} mesh: state "
+        f"{per / 2**20:.1f} MiB per device = {per / (total / n):.3f} x total / {n}; "
+        f"{batch_size * length / seconds:.0f} tokens/s; peak memory so far {_peak_gib():.2f} GiB")
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="reduced sizes for a CPU smoke run")
@@ -199,6 +234,7 @@ def main() -> int:
   if not args.skip_step:
     check_step_ratio(*step_args)
   check_gpt2_ghost(args.quick, 3 if args.quick else 5)
+  check_gpt2_sharded(args.quick, 3 if args.quick else 5)
   print(f"\nwall time {time.perf_counter() - start:.1f} s; accuracy {'OK' if ok else 'FAILED'}")
   return 0 if ok else 1
 

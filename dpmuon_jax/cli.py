@@ -163,6 +163,10 @@ def _add_train_outputs(train) -> None:
   train.add_argument("--devices", type=_positive_int, default=None,
                      help="data-parallel over this many devices (noise added once to the "
                      "global sum)")
+  train.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                     help="a (data, model) mesh over all devices, e.g. 2x4: rows split over "
+                     "data, each matrix and its optimizer state split over model "
+                     "(docs/sharp-edges.md, Multi-device training)")
   train.add_argument("--secure-noise", action="store_true",
                      help="exact discrete Gaussian noise on an integer grid of the clipped sum, "
                      "from OS entropy: resists floating-point attacks; one device; see "

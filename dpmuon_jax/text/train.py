@@ -48,9 +48,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from dpmuon_jax import checks
-from dpmuon_jax.distributed.mesh import sharded_capacity
+from dpmuon_jax.distributed.mesh import DATA_AXIS, shard_batch, sharded_capacity
+from dpmuon_jax.distributed.sharding import (
+    model_mesh,
+    model_size,
+    param_specs,
+    parse_mesh_shape,
+    shard_train_state,
+)
 from dpmuon_jax.models.taps import tapped
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.optimizers.options import Fallback
@@ -149,6 +157,10 @@ class LMTrainConfig:
       many of their groups (``None``: all).
     log_dir: also write the validation NLL, ε spent and the learning rates
       as TensorBoard event files there (:mod:`dpmuon_jax.training.tracking`).
+    mesh: ``"DATAxMODEL"`` (e.g. ``"2x4"``), a mesh over all devices of this
+      process: rows split over data, each matrix and its optimizer state
+      split over model (:mod:`dpmuon_jax.distributed.sharding`); ``None``:
+      one device.
   """
 
   data_dir: str
@@ -189,6 +201,7 @@ class LMTrainConfig:
   diagnostic_steps: tuple[int, ...] = ()
   diagnostic_examples: int = 32
   log_dir: str | None = None  # TensorBoard event files (the tensorboard extra); None: none
+  mesh: str | None = None  # "DATAxMODEL" over all devices; None: one device
 
 
 _POSITIVE_INTS = ("steps", "max_length", "eval_batch_size", "beam_size", "max_new_tokens",
@@ -225,6 +238,8 @@ def validate_config(config: LMTrainConfig) -> None:
   if config.clipped_sum_method not in CLIPPED_SUM_METHODS:
     raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got "
                      f"{config.clipped_sum_method!r}.")
+  if config.mesh is not None:
+    parse_mesh_shape(config.mesh)
   if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
     raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
                      f"{config.microbatch_size}.")
@@ -366,14 +381,23 @@ def _load_lm_data(config: LMTrainConfig) -> _LMData:
   )
 
 
-def _lm_setup(config: LMTrainConfig, n: int, root) -> PrivateSetup:
+def lm_mesh(config: LMTrainConfig, params: PyTree) -> Mesh | None:
+  """``config.mesh`` over all devices, after checking that its 'model' axis splits ``params``."""
+  if config.mesh is None:
+    return None
+  mesh = model_mesh(*parse_mesh_shape(config.mesh))
+  param_specs(params, model_size(mesh))  # a leaf it cannot split: one line naming it
+  return mesh
+
+
+def _lm_setup(config: LMTrainConfig, n: int, root, rows_devices: int = 1) -> PrivateSetup:
   """Sampler (q over the N training pairs), σ for (ε, δ, T), release and ledger."""
   return make_private(
       target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=n,
       expected_batch_size=config.sampling_rate * n, l2_clip_norm=config.clip,
       steps=config.steps, key=root, accountant=config.accountant,
       denominator=config.denominator,
-      capacity=config.capacity or sharded_capacity(n, config.sampling_rate, 1,
+      capacity=config.capacity or sharded_capacity(n, config.sampling_rate, rows_devices,
                                                    config.microbatch_size),
   )
 
@@ -392,9 +416,21 @@ def _note_first_release(step: int, steps: int, first_release_rss: list[float]) -
       first_release_rss.clear()
 
 
-def _chunks_of(train_arrays: dict) -> Callable:
-  """The loop's ``to_chunks``: each padded chunk's rows gathered, with its mask."""
-  return lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask)) for c in padded]
+def _chunks_of(train_arrays: dict, mesh: Mesh | None = None) -> Callable:
+  """The loop's ``to_chunks``: each padded chunk's rows gathered, with its mask (on the mesh)."""
+  if mesh is None:
+    return lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask)) for c in padded]
+  return lambda padded, _: [shard_batch(mesh, gather(train_arrays, c), c.mask) for c in padded]
+
+
+def _lm_step(config: LMTrainConfig, optimizer, loss_fn, params, mesh: Mesh | None):
+  """The jitted private step and the initial ``(params, opt_state)``, placed on the mesh."""
+  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
+                              clipped_sum_method=config.clipped_sum_method, mesh=mesh)
+  opt_state = optimizer.init(params)
+  if mesh is not None:
+    params, opt_state = shard_train_state(mesh, params, opt_state)
+  return step_fn, params, opt_state
 
 
 def _run_memory(first_release_rss: list[float]) -> dict:
@@ -422,13 +458,12 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   train_arrays, valid_arrays, n = lm_data.train_arrays, lm_data.valid_arrays, lm_data.num_pairs
   apply, params, gpt2_config, pretrained = load_model(config, lm_data.tokenizer.vocab_size)
 
+  mesh = lm_mesh(config, params)
   root = root_key(config.seed)
-  setup = _lm_setup(config, n, root)
+  setup = _lm_setup(config, n, root, 1 if mesh is None else dict(mesh.shape)[DATA_AXIS])
   optimizer = lm_optimizer(config, setup.release_kwargs)
   loss_fn = lm_loss(apply)
-  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
-                              clipped_sum_method=config.clipped_sum_method)
-  opt_state = optimizer.init(params)
+  step_fn, params, opt_state = _lm_step(config, optimizer, loss_fn, params, mesh)
   ledger = setup.ledger
   probe_batch = {k: v[:config.diagnostic_examples] for k, v in train_arrays.items()}
   diagnostic_rows: list[NamedTuple] = []
@@ -461,7 +496,7 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   state, _ = run_releases(
       step_fn, LoopState(params, opt_state, 0, 0), config.steps, sampler=setup.sampler,
       optimizer=optimizer, ledger=ledger, hooks=Hooks(before, after),
-      to_chunks=_chunks_of(train_arrays))
+      to_chunks=_chunks_of(train_arrays, mesh))
   train_seconds, train_cpu_seconds = (time.perf_counter() - started,
                                       time.process_time() - cpu_started)
   memory = _run_memory(first_release_rss)

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from dpmuon_jax.distributed.mesh import DATA_AXIS, replicated
+from dpmuon_jax.distributed.sharding import MODEL_AXIS, constrain_train_state
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.ghost import select_clipped_sum
 from dpmuon_jax.privacy.query import (
@@ -82,15 +83,26 @@ def _sum_over_mesh(chunk_sum: Callable, mesh: Mesh) -> Callable:
   """Each device clips and sums its rows; the per-device sums are added once (psum)."""
   if DATA_AXIS not in mesh.axis_names:
     raise ValueError(f"The mesh needs a {DATA_AXIS!r} axis, got {mesh.axis_names}.")
+  # Manual over 'data' only: a 'model' axis stays XLA's to partition (sharded parameters).
   return jax.shard_map(
       lambda inputs, batch, mask: chunk_sum(inputs, batch, mask).psum(DATA_AXIS),
       mesh=mesh,
       in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS), PartitionSpec(DATA_AXIS)),
       out_specs=PartitionSpec(),
+      axis_names=frozenset({DATA_AXIS}),
       # The microbatch scan starts from a replicated zero carry; the per-device
       # sums are combined explicitly by the psum.
       check_vma=False,
   )
+
+
+def _rows_whole(mesh: Mesh) -> bool:
+  """Whether every device of the mesh sees every row: a (1, model) mesh.
+
+  There is nothing to add over 'data' then, and XLA's partitioner refuses a
+  size-1 manual axis beside an automatic one.
+  """
+  return MODEL_AXIS in mesh.axis_names and dict(mesh.shape).get(DATA_AXIS) == 1
 
 
 def make_private_step(
@@ -149,7 +161,7 @@ def make_private_step(
       clipped_sum_method, vmap_sum, loss_fn,
       terms, clipping, microbatch_size)
 
-  summed = local_sum if mesh is None else _sum_over_mesh(local_sum, mesh)
+  summed = local_sum if mesh is None or _rows_whole(mesh) else _sum_over_mesh(local_sum, mesh)
 
   def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
     return summed(read_inputs(params, opt_state), batch, mask)
@@ -164,5 +176,31 @@ def make_private_step(
   def empty_overflow(params) -> ClippedSum:
     return zeros_clipped_sum(params, clipping)
 
-  out: dict[str, Any] = {} if mesh is None else {"out_shardings": replicated(mesh)}
-  return PrivateStep(jax.jit(step, **out), jax.jit(chunk_sum, **out), empty_overflow)
+  return PrivateStep(*_jitted(step, chunk_sum, mesh), empty_overflow)
+
+
+def _jitted(step: Callable, chunk_sum: Callable, mesh: Mesh | None) -> tuple[Callable, Callable]:
+  """``jit`` of the step and the chunk sum, with the mesh's layouts of params and state.
+
+  A data mesh keeps them replicated; a ``(data, model)`` mesh keeps every leaf
+  where :mod:`~dpmuon_jax.distributed.sharding`'s rule puts it, on the way in
+  and on the way out, and XLA partitions the release and the post-processing
+  over ``'model'`` accordingly (the noise is the same array on any mesh).
+  """
+  if mesh is None:
+    return jax.jit(step), jax.jit(chunk_sum)
+  if MODEL_AXIS not in mesh.axis_names:
+    out = replicated(mesh)
+    return jax.jit(step, out_shardings=out), jax.jit(chunk_sum, out_shardings=out)
+
+  def sharded_step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
+    params, opt_state = constrain_train_state(mesh, params, opt_state)
+    out = step(params, opt_state, batch, mask, overflow)
+    params, opt_state = constrain_train_state(mesh, out.params, out.opt_state)
+    return StepOutput(params, opt_state, jax.lax.with_sharding_constraint(out.stats,
+                                                                          replicated(mesh)))
+
+  def sharded_sum(params, opt_state, batch, mask) -> ClippedSum:
+    return chunk_sum(*constrain_train_state(mesh, params, opt_state), batch, mask)
+
+  return jax.jit(sharded_step), jax.jit(sharded_sum)

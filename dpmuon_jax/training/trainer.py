@@ -31,11 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from dpmuon_jax.data.augment import augment
 from dpmuon_jax.data.images import ImageDataset, normalize
 from dpmuon_jax.data.loaders import load_dataset
 from dpmuon_jax.distributed.mesh import (
+    DATA_AXIS,
     data_mesh,
     shard_batch,
     sharded_capacity,
@@ -47,6 +49,14 @@ from dpmuon_jax.distributed.multihost import (
     is_primary,
     replicate,
     sync,
+)
+from dpmuon_jax.distributed.sharding import (
+    MODEL_AXIS,
+    model_mesh,
+    model_size,
+    param_specs,
+    parse_mesh_shape,
+    shard_train_state,
 )
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.optimizers import registry as optimizer_registry
@@ -124,6 +134,7 @@ class TrainConfig:
   plot: bool = True
   model_seed: int = 0  # public initialisation seed
   devices: int | None = None  # data-parallel devices; None or 1: one device
+  mesh: str | None = None  # "DATAxMODEL" over all devices: state split over model (sharding.py)
   model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"groups": 8}
   init_weights: str | None = None  # msgpack of a params dict (flax.serialization); None: scratch
   secure_noise: bool = False  # exact discrete Gaussian noise from OS entropy (one device)
@@ -344,6 +355,8 @@ def run_fingerprint(config: TrainConfig, data: ImageDataset) -> str:
     digest.update(f"{array.dtype}{array.shape}".encode())
     digest.update(array.tobytes())
   digest.update(f"{jax.__version__} {jax.default_backend()} {_library_version()}".encode())
+  # The key -> noise map depends on it: a replay under the other setting would add other noise.
+  digest.update(f"threefry_partitionable={jax.config.values['jax_threefry_partitionable']}".encode())
   if is_multi_process():  # another summation order: a release would not replay bit for bit
     digest.update(f"processes={jax.process_count()} devices={jax.device_count()}".encode())
   return digest.hexdigest()
@@ -444,6 +457,32 @@ class _Run(NamedTuple):
   initial_params: PyTree
   steps_per_epoch: int
   end: int
+  mesh: Mesh | None = None
+
+
+def _train_mesh(config: TrainConfig, num_devices: int) -> Mesh | None:
+  """``--mesh DATAxMODEL`` over every device, else the data mesh of ``--devices`` (or none)."""
+  if config.mesh is None:
+    return data_mesh(num_devices) if num_devices > 1 else None
+  if is_multi_process():
+    raise TrainingError("--mesh shards the state within one process only (checkpoints "
+                        "gather it); use --devices with several processes.")
+  try:
+    data, model = parse_mesh_shape(config.mesh)
+    if config.devices is not None and config.devices != data * model:
+      raise ValueError(f"--devices {config.devices} disagrees with --mesh {config.mesh}.")
+    return model_mesh(data, model)
+  except ValueError as error:
+    raise TrainingError(f"--mesh: {error}") from None
+
+
+def _check_layouts(mesh: Mesh | None, params: PyTree) -> None:
+  """A leaf that the mesh's 'model' axis cannot split stops the run, naming the leaf."""
+  if mesh is not None:
+    try:
+      param_specs(params, model_size(mesh))
+    except ValueError as error:
+      raise TrainingError(f"--mesh: {error}") from None
 
 
 def _num_devices(config: TrainConfig) -> int:
@@ -465,7 +504,9 @@ def _num_devices(config: TrainConfig) -> int:
 
 def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
   """Model, private setup (σ, sampler, release, ledger), optimizer and jitted step."""
-  num_devices = _num_devices(config)
+  num_devices = _num_devices(config) if config.mesh is None else 1
+  mesh = _train_mesh(config, num_devices)
+  rows_devices = num_devices if mesh is None else dict(mesh.shape)[DATA_AXIS]
   model, loss_fn = model_and_loss(
       config.model, cast(int, data.num_classes), data.image_shape, seed=config.model_seed,
       tapped=config.clipped_sum_method != "vmap", **config.model_overrides,
@@ -477,13 +518,13 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
       clipping=clipping_by_name(config.clipping, config.clip), secure_noise=config.secure_noise,
       # The padded batch must split evenly into devices × microbatches.
       capacity=sharded_capacity(
-          data.num_train, config.batch_size / data.num_train, num_devices, config.microbatch_size
-      ),
+          data.num_train, config.batch_size / data.num_train, rows_devices,
+          config.microbatch_size),
   )
   schedule = _learning_rate_schedule(config, setup.steps)
   optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs,
                                        **_optimizer_options(config, setup.steps))
-  mesh = data_mesh(num_devices) if num_devices > 1 else None
+  _check_layouts(mesh, model.params)
   step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
                               mesh=mesh, clipped_sum_method=config.clipped_sum_method)
   batch_fn = _make_batch_fn(data, config.augment)
@@ -502,7 +543,7 @@ def _build_run(config: TrainConfig, data: ImageDataset, root: RootKey) -> _Run:
   evaluate = evaluation_fn(model.apply, data.info, data.x_test, data.y_test)
   return _Run(setup, optimizer, schedule, step_fn, to_chunks, evaluate,
               _initial_params(model.params, config.init_weights),
-              max(1, round(1 / setup.sampler.sampling_rate)), end)
+              max(1, round(1 / setup.sampler.sampling_rate)), end, mesh)
 
 
 def _metadata(config: TrainConfig, data: ImageDataset, run: _Run, root: RootKey,
@@ -541,13 +582,20 @@ def _starting_point(run: _Run, ckpt_dir, metadata, resume_step):
   params = run.initial_params
   opt_state = run.optimizer.init(params)
   if metadata is None:
-    return params, opt_state, 0, []
+    return (*_placed(run.mesh, params, opt_state), 0, [])
   restored = restore_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}),
                                 resume_step)
   params, opt_state = restored.params, restored.opt_state
   if is_multi_process():  # each process read its own copy: one replicated state on the mesh
     params, opt_state = replicate(data_mesh(), (params, opt_state))
-  return params, opt_state, restored.step, metadata["history"]
+  return (*_placed(run.mesh, params, opt_state), restored.step, metadata["history"])
+
+
+def _placed(mesh: Mesh | None, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
+  """The state split over a (data, model) mesh's 'model' axis; as it is otherwise."""
+  if mesh is None or MODEL_AXIS not in mesh.axis_names:
+    return params, opt_state
+  return shard_train_state(mesh, params, opt_state)
 
 
 def _plan_keys(config, run: _Run, ledger, journal_path, fingerprint, start, metadata, root):
