@@ -450,7 +450,8 @@ def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
   if concrete is not None:
     if not concrete[0]:
       raise ValueError(
-          "The ClippedSum was changed after clipping (its seal does not match its total): "
+          "The ClippedSum was changed after clipping (its seal does not match its total, "
+          "statistics and clipping rule): "
           "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
           "disjoint examples with a.add_disjoint(b).")
     if not concrete[1]:
