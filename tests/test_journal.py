@@ -320,6 +320,49 @@ def test_deleted_checkpoints_do_not_let_a_resume_change_sigma(tmp_path, tiny_dat
   assert resumed["releases"] == 5
 
 
+def test_a_torn_last_line_without_checkpoint_is_charged_at_the_journaled_settings(
+    tmp_path, tiny_data
+):
+  """Killed while appending a journal line, before any checkpoint: the run still resumes."""
+  config = _config(tmp_path, "torn", max_steps=2)
+  train(config, tiny_data)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))
+  with open(os.path.join(config.output_dir, JOURNAL_NAME), "a") as f:
+    f.write('{"step": 2, "key_in')
+  assert read_journal(os.path.join(config.output_dir, JOURNAL_NAME))[-1].privacy is not None
+  resumed = train(_config(tmp_path, "torn", resume=True, max_steps=4), tiny_data)
+  # The torn line cannot be replayed: 2 journaled + 1 torn releases charged, then 4 new ones.
+  assert resumed["releases"] == 7
+  entries = read_journal(os.path.join(config.output_dir, JOURNAL_NAME))
+  assert [e.key_index for e in entries] == list(range(7))  # readable: the torn line mended
+  assert entries[2].fingerprint == "torn" and entries[2].privacy == entries[0].privacy
+  assert _keys_meet_one_sum(config.output_dir)
+
+
+def test_lost_releases_redone_from_another_noise_stream_are_charged_not_replayed(
+    tmp_path, tiny_data, monkeypatch
+):
+  """Same settings and data, but a program that claims its noise streams in another order
+  (an edited script or library): redoing the journaled releases would release each of
+  those sums a second time with other noise, so they are charged and fresh keys used."""
+  import dpmuon_jax.training.trainer as trainer_module
+  from dpmuon_jax.privacy.keys import claim_noise_stream
+
+  config = _config(tmp_path, "stream", max_steps=3)
+  train(config, tiny_data)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))
+  make_private = trainer_module.make_private
+
+  def one_claim_more(**kwargs):
+    setup = make_private(**kwargs)
+    claim_noise_stream(setup.release_kwargs["key"])
+    return setup
+
+  monkeypatch.setattr(trainer_module, "make_private", one_claim_more)
+  resumed = train(_config(tmp_path, "stream", resume=True, max_steps=5), tiny_data)
+  assert resumed["releases"] == 3 + 5
+
+
 def test_a_run_stopped_after_its_final_checkpoint_finishes_its_outputs(tmp_path, tiny_data):
   config = _config(tmp_path, "outputs", epochs=0.5)
   done = train(config, tiny_data)

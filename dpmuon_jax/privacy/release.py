@@ -527,6 +527,11 @@ def noise_counter(opt_state: optax.OptState) -> int:
   return int(_release_states(opt_state)[0].count)
 
 
+def noise_stream(opt_state: optax.OptState) -> np.ndarray:
+  """The noise stream (raw uint32 key) of the (one) release in ``opt_state``. SECRET."""
+  return np.asarray(_release_states(opt_state)[0].noise_key, np.uint32)
+
+
 def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptState:
   """``opt_state`` with the release's next noise-key index set to ``counter``.
 
