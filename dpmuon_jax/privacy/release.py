@@ -529,7 +529,10 @@ def noise_counter(opt_state: optax.OptState) -> int:
 
 def noise_stream(opt_state: optax.OptState) -> np.ndarray:
   """The noise stream (raw uint32 key) of the (one) release in ``opt_state``. SECRET."""
-  return np.asarray(_release_states(opt_state)[0].noise_key, np.uint32)
+  key = _release_states(opt_state)[0].noise_key
+  if isinstance(key, jax.Array) and not key.is_fully_addressable:
+    key = key.addressable_data(0)  # several processes: replicated on every device
+  return np.asarray(key, np.uint32)
 
 
 def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptState:
