@@ -95,12 +95,39 @@ def test_a_sum_unflattened_from_other_leaves_is_refused():
                   release.update(cs, release.init(params), params)[0])
 
 
+@pytest.mark.parametrize("rule", ["bound", "per_layer"])
+def test_the_leaves_of_a_sum_clipped_with_another_rule_are_refused(rule):
+  """The seal binds the clipping rule: C = 10 leaves under a C = 1 treedef are not a C = 1 sum.
+
+  256 examples of norm 10 in 64 dimensions sum to a norm (about 160) far below
+  n·C = 256, so the norm bound alone would let this sum of sensitivity 10 pass.
+  """
+  params = {"w": jnp.zeros(64)}
+  rng = np.random.default_rng(0)
+  per_example = {"w": jnp.asarray(rng.standard_normal((256, 64)) * 100, jnp.float32)}
+  release = _release()
+  target = flat_clipping(C) if rule == "bound" else per_layer_clipping(C)
+  if rule == "per_layer":
+    release = dm.dp_release(C, SIGMA, D, key=0, clipping=target)
+  source = flat_clipping(10 * C) if rule == "bound" else flat_clipping(C)
+  _, treedef = jax.tree.flatten(clip_and_sum(per_example, None, target))
+  forged = jax.tree.unflatten(treedef, jax.tree.leaves(clip_and_sum(per_example, None, source)))
+  assert forged.clipping.matches(target)
+  norm, bound = forged.norm_and_bound()
+  if rule == "bound":
+    assert 10 * C < float(norm) < float(bound)
+  with pytest.raises(ValueError, match="seal does not match"):
+    release.update(forged, release.init(params), params)
+
+
 def test_adding_a_sum_to_itself_is_refused():
   _, cs = _genuine()
   with pytest.raises(TypeError, match="add_disjoint"):
     _ = cs + cs
   with pytest.raises(TypeError, match="add_disjoint"):
     sum([cs, cs])
+  with pytest.raises(ValueError, match="twice"):
+    cs.add_disjoint(cs)
 
 
 def test_add_disjoint_equals_the_sum_of_the_totals_and_is_released():

@@ -20,8 +20,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 BUILD_TIMEOUT_S = 300
-# Not API: the command line (documented by `dpmuon --help`) and `python -m` entry points.
-UNDOCUMENTED_MODULES = {"dpmuon_jax.cli", "dpmuon_jax.__main__"}
+# Not API: the command line and its help formatter (documented by `dpmuon --help`) and
+# `python -m` entry points.
+UNDOCUMENTED_MODULES = {"dpmuon_jax.cli", "dpmuon_jax.help_format", "dpmuon_jax.__main__"}
 
 
 def _tree(root: pathlib.Path) -> set[str]:

@@ -19,6 +19,7 @@ from dpmuon_jax.training.journal import (
     ResumePlan,
     append_entry,
     plan_resume,
+    read_high_water,
     read_journal,
 )
 from dpmuon_jax.training.trainer import JOURNAL_NAME, TrainConfig, TrainingError, train
@@ -226,8 +227,9 @@ def _kill_after(settings: dict, releases: int) -> set[int]:
   return made
 
 
+@pytest.mark.parametrize("clean_up", ["truncate", "delete"])
 def test_a_truncated_journal_is_caught_by_the_high_water_mark_and_the_export_counts_it(
-    tmp_path, tiny_data
+    tmp_path, tiny_data, clean_up
 ):
   from dpmuon_jax.training.checkpoint import latest_good_step, restore_metadata
   from dpmuon_jax.training.export import export_run
@@ -242,17 +244,24 @@ def test_a_truncated_journal_is_caught_by_the_high_water_mark_and_the_export_cou
                                              "privacy_certificate.json")).read())
   assert certificate["releases"] == len(made) and certificate["releases_in_checkpoint"] == (
       checkpointed)
-  # Truncate the journal back to the checkpoint, as a careless clean-up would.
+  # The mark is moved after the journal line and before the release, so a kill between the
+  # two leaves it one behind: that last key was journaled but never used on a sum.
   journal = os.path.join(output_dir, JOURNAL_NAME)
+  last_used = read_high_water(journal).key_index
+  assert max(made) - 1 <= last_used <= max(made)
+  # Truncate the journal back to the checkpoint (or delete it), as a careless clean-up would.
   kept = [e for e in read_journal(journal) if e.key_index < checkpointed]
-  with open(journal, "w") as f:
-    f.write("".join(json.dumps(e._asdict()) + "\n" for e in kept))
+  if clean_up == "delete":
+    os.remove(journal)
+  else:
+    with open(journal, "w") as f:
+      f.write("".join(json.dumps(e._asdict()) + "\n" for e in kept))
   resumed = train(TrainConfig(**_long_run(output_dir, resume=True, augment=True,
                                           max_steps=max(made) + 3)), tiny_data)
   new_keys = [e.key_index for e in read_journal(journal) if e.key_index >= checkpointed]
-  assert new_keys and min(new_keys) > max(made)  # no key of the lost releases used again
+  assert new_keys and min(new_keys) > last_used  # no key of the lost releases used again
   # Every release made is charged: the checkpoint's, the lost ones, and the new ones.
-  assert resumed["releases"] == len(made) + len(new_keys)
+  assert resumed["releases"] == last_used + 1 + len(new_keys)
 
 
 def test_a_deleted_journal_is_caught_by_the_high_water_mark(tmp_path, tiny_data):
@@ -320,6 +329,49 @@ def test_deleted_checkpoints_do_not_let_a_resume_change_sigma(tmp_path, tiny_dat
   assert resumed["releases"] == 5
 
 
+def test_a_torn_last_line_without_checkpoint_is_charged_at_the_journaled_settings(
+    tmp_path, tiny_data
+):
+  """Killed while appending a journal line, before any checkpoint: the run still resumes."""
+  config = _config(tmp_path, "torn", max_steps=2)
+  train(config, tiny_data)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))
+  with open(os.path.join(config.output_dir, JOURNAL_NAME), "a") as f:
+    f.write('{"step": 2, "key_in')
+  assert read_journal(os.path.join(config.output_dir, JOURNAL_NAME))[-1].privacy is not None
+  resumed = train(_config(tmp_path, "torn", resume=True, max_steps=4), tiny_data)
+  # The torn line cannot be replayed: 2 journaled + 1 torn releases charged, then 4 new ones.
+  assert resumed["releases"] == 7
+  entries = read_journal(os.path.join(config.output_dir, JOURNAL_NAME))
+  assert [e.key_index for e in entries] == list(range(7))  # readable: the torn line mended
+  assert entries[2].fingerprint == "torn" and entries[2].privacy == entries[0].privacy
+  assert _keys_meet_one_sum(config.output_dir)
+
+
+def test_lost_releases_redone_from_another_noise_stream_are_charged_not_replayed(
+    tmp_path, tiny_data, monkeypatch
+):
+  """Same settings and data, but a program that claims its noise streams in another order
+  (an edited script or library): redoing the journaled releases would release each of
+  those sums a second time with other noise, so they are charged and fresh keys used."""
+  import dpmuon_jax.training.trainer as trainer_module
+  from dpmuon_jax.privacy.keys import claim_noise_stream
+
+  config = _config(tmp_path, "stream", max_steps=3)
+  train(config, tiny_data)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))
+  make_private = trainer_module.make_private
+
+  def one_claim_more(**kwargs):
+    setup = make_private(**kwargs)
+    claim_noise_stream(setup.release_kwargs["key"])
+    return setup
+
+  monkeypatch.setattr(trainer_module, "make_private", one_claim_more)
+  resumed = train(_config(tmp_path, "stream", resume=True, max_steps=5), tiny_data)
+  assert resumed["releases"] == 3 + 5
+
+
 def test_a_run_stopped_after_its_final_checkpoint_finishes_its_outputs(tmp_path, tiny_data):
   config = _config(tmp_path, "outputs", epochs=0.5)
   done = train(config, tiny_data)
@@ -331,3 +383,50 @@ def test_a_run_stopped_after_its_final_checkpoint_finishes_its_outputs(tmp_path,
   assert again["releases"] == done["releases"]
   assert os.path.exists(os.path.join(config.output_dir, "results.json"))
   assert os.path.exists(os.path.join(config.output_dir, "export", "privacy_certificate.json"))
+
+
+_KILLED_BEFORE_OUTPUTS = """
+import os, signal, sys
+import dpmuon_jax.training.trainer as trainer
+from dpmuon_jax.cli import main
+
+
+def killed(*args, **kwargs):  # after the final checkpoint, before export/ and results.json
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+trainer.export_run = killed
+main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_after_its_final_checkpoint_finishes_its_outputs_on_resume(
+    tmp_path, tiny_data, capsys
+):
+  import signal
+  import subprocess
+  import sys
+
+  import numpy as np
+
+  from dpmuon_jax.cli import main
+
+  data = str(tmp_path / "tiny.npz")
+  np.savez(data, x_train=tiny_data.x_train, y_train=tiny_data.y_train,
+           x_test=tiny_data.x_test, y_test=tiny_data.y_test)
+  out = tmp_path / "run"
+  command = ["train", "--dataset", data, "--optimizer", "dp_sgd", "--epsilon", "3",
+             "--delta", "1e-3", "--batch-size", "16", "--epochs", "0.5", "--seed", "3",
+             "--output-dir", str(out), "--no-progress", "--no-plot"]
+  child = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_OUTPUTS, *command],
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+  assert child.returncode == -signal.SIGKILL
+  assert (out / "checkpoints").is_dir()
+  assert not (out / "results.json").exists() and not (out / "export").exists()
+  capsys.readouterr()
+  assert main(["train", "--resume", "--output-dir", str(out), "--no-progress", "--no-plot"]) == 0
+  results = json.loads((out / "results.json").read_text())
+  certificate = json.loads((out / "export" / "privacy_certificate.json").read_text())
+  assert results["stop_reason"] == "completed"
+  assert results["releases"] == certificate["releases"] == results["planned_steps"] == 2
+  assert "test accuracy" in capsys.readouterr().out

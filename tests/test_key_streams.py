@@ -70,6 +70,22 @@ def test_an_int_seed_names_one_stream_and_the_first_claim_is_the_root_noise_stre
   assert claim_noise_stream(None)[1] is False and claim_noise_stream(5)[1] is True
 
 
+def test_no_claimed_stream_is_a_key_of_another_streams_releases():
+  """Release k of stream S draws from fold_in(S, k) and its leaf keys (split = fold_in of the
+  counter), so the i-th claim must not be fold_in(noise, i): that is release i's key of the
+  first stream, and the first stream's leaf keys would be the i-th stream's release keys."""
+  root = root_key(7)
+  streams = [np.asarray(claim_noise_stream(root)[0]) for _ in range(4)]
+  used = []
+  for stream in streams:
+    for k in range(8):
+      step = jax.random.fold_in(stream, k)
+      used += [step, *jax.random.split(step, 3)]
+  used = {np.asarray(k).tobytes() for k in used}
+  assert len(used) == 4 * 8 * 4  # every key of every release distinct
+  assert not used & {s.tobytes() for s in streams}
+
+
 def test_named_seeds_differ_per_name_and_are_reproducible():
   assert named_seed(0, "dp_sgd") == named_seed(0, "dp_sgd")
   assert len({named_seed(0, "dp_sgd"), named_seed(0, "dp_adam"), named_seed(1, "dp_sgd")}) == 3

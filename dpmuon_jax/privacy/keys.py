@@ -11,7 +11,12 @@ and post-processing never draws from the noise stream.
 
 One noise stream per release, ever: every Gaussian release built from one
 :class:`RootKey` object *claims* its own noise stream (:func:`claim_noise_stream`):
-the first takes the root's noise stream, the i-th ``fold_in(noise stream, i)``.
+the first takes the root's noise stream N, the i-th ``fold_in(P, i)`` with
+``P = fold_in(N, 2³² − 1)``. Release k of a stream S uses ``fold_in(S, k)``
+with k < 2³¹ (an int32 counter), so P, and every key below it, is none of
+the first stream's keys: ``fold_in(N, i)`` would be the first release's key
+at index i (JAX's ``split`` is ``fold_in`` of the counter), and its leaf keys
+the i-th stream's release keys.
 So two optimizers built from one :func:`~dpmuon_jax.make_private` setup never
 add the same noise to different sums. The claims are counted in program order,
 so a program rebuilt the same way (a resumed run, the processes of one
@@ -31,6 +36,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The index under the root's noise stream that the claimed streams 1, 2, ... hang from: above
+# every release index k (an int32 counter), so no claimed stream is a release key of stream 0.
+_CLAIMS_INDEX = 2**32 - 1
 
 
 class KeyStreams(NamedTuple):
@@ -117,13 +126,17 @@ def claim_noise_stream(key: KeyLike = None) -> tuple[jax.Array, bool]:
 
   ``None`` draws a new root from OS entropy; an int seed or JAX key names a
   new seeded root (the same seed, the same stream: reproducible by request).
-  A :class:`RootKey` hands out ``noise``, ``fold_in(noise, 1)``,
-  ``fold_in(noise, 2)``, ... to the releases built from it, in program order.
+  A :class:`RootKey` hands out ``noise``, ``fold_in(P, 1)``,
+  ``fold_in(P, 2)``, ... to the releases built from it, in program order,
+  with ``P = fold_in(noise, 2³² − 1)``: an index no release counter reaches.
   """
   root = root_key(key)
   noise = split_streams(root)[0].noise
   claim = next(root.claims)
-  return (noise if claim == 0 else jax.random.fold_in(noise, claim)), root.seeded
+  if claim == 0:
+    return noise, root.seeded
+  claims = jax.random.fold_in(noise, jnp.uint32(_CLAIMS_INDEX))
+  return jax.random.fold_in(claims, claim), root.seeded
 
 
 def named_seed(seed: int, name: str) -> int:

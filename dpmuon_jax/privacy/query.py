@@ -22,6 +22,7 @@ as fast as one vmap over the whole batch (``benchmarks/bench_release.py``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import operator
@@ -142,14 +143,21 @@ def fingerprint(tree: PyTree) -> jax.Array:
 
 
 class _Rule:
-  """A :class:`Clipping` as hashable pytree aux data: equal when :meth:`Clipping.matches`."""
+  """A :class:`Clipping` as hashable pytree aux data: equal when :meth:`Clipping.matches`.
 
-  __slots__ = ("clipping", "_key")
+  ``words`` are two uint32 words of SHA-256 of the rule's description, mixed
+  into the seal of every sum clipped with it, so the leaves of a sum clipped
+  with one rule (say C = 10) do not make a sealed sum under another (C = 1).
+  """
+
+  __slots__ = ("clipping", "_key", "words")
 
   def __init__(self, clipping: Clipping):
     self.clipping = clipping
     self._key = (json.dumps(clipping.describe(), sort_keys=True),
                  str(jax.tree.structure(clipping.layer_weights)))
+    digest = hashlib.sha256("\n".join(self._key).encode()).digest()
+    self.words = (int.from_bytes(digest[:4], "big"), int.from_bytes(digest[4:8], "big"))
 
   def __eq__(self, other: object) -> bool:
     return isinstance(other, _Rule) and self._key == other._key
@@ -172,11 +180,13 @@ class ClippedSum:
   (hence its sensitivity C), its seal matches its bits and
   ‖total‖₂ ≤ num_examples · C (privacy invariant 8, docs/design.md).
 
-  The seal is a :func:`fingerprint` of ``total`` and ``stats`` computed when
-  the library makes the sum. It is a pytree leaf, but ``tree_unflatten`` does
-  not recompute it: ``jax.tree.map(f, s)`` or ``jax.tree.unflatten`` with other
-  leaves gives a ``ClippedSum`` whose seal no longer matches, and the release
-  refuses it. ``s + s`` is refused; sums over DISJOINT example sets are added
+  The seal is a :func:`fingerprint` of ``total`` and ``stats``, mixed with a
+  digest of the clipping rule, computed when the library makes the sum. It is
+  a pytree leaf, but ``tree_unflatten`` does not recompute it:
+  ``jax.tree.map(f, s)``, or ``jax.tree.unflatten`` with other leaves (those
+  of a sum clipped with another rule included), gives a ``ClippedSum`` whose
+  seal no longer matches, and the release refuses it. ``s + s`` and
+  ``s.add_disjoint(s)`` are refused; sums over DISJOINT example sets are added
   with :meth:`add_disjoint`.
 
   To release a sum clipped by your own code, say so explicitly with
@@ -243,8 +253,8 @@ class ClippedSum:
     return cls(total, aux, stats, seal=seal, _origin=_FROM_CLIPPING)
 
   def seal_holds(self) -> jax.Array:
-    """Whether the seal still matches ``total`` and ``stats`` bit for bit (a bool scalar)."""
-    return jnp.all(jnp.asarray(self.seal) == fingerprint((self.total, self.stats)))
+    """Whether the seal still matches ``total``, ``stats`` and the rule (a bool scalar)."""
+    return jnp.all(jnp.asarray(self.seal) == _seal_of(self.total, self.stats, self._rule))
 
   def norm_and_bound(self) -> tuple[jax.Array, jax.Array]:
     """‖total‖₂ and n·Δ·(1 + rtol + n·2⁻²⁴) + Δ·atol, n = num_examples, Δ one example's bound.
@@ -281,6 +291,9 @@ class ClippedSum:
     if not isinstance(other, ClippedSum) or other._rule != self._rule:
       raise ValueError("Only clipped sums with the same clipping rule (bound and grid) can "
                        "be added.")
+    if other is self:
+      raise ValueError("s.add_disjoint(s) adds every example twice (sensitivity 2C); add "
+                       "sums over DISJOINT example sets.")
     return _sealed(
         jax.tree.map(jnp.add, self.total, other.total),
         self.clipping,
@@ -301,19 +314,25 @@ class ClippedSum:
     return f"ClippedSum(clipping={self.clipping.describe()}, total={self.total!r})"
 
 
+def _seal_of(total: PyTree, stats: ClipStats, rule: _Rule) -> jax.Array:
+  """fingerprint((total, stats)) ⊕ the rule's digest words."""
+  return fingerprint((total, stats)) ^ jnp.asarray(rule.words, jnp.uint32)
+
+
 def _sealed(total: PyTree, clipping: Clipping, stats: ClipStats,
             valid: jax.Array | None = None) -> ClippedSum:
-  """A ClippedSum with the seal of ``(total, stats)``; a broken seal where not ``valid``.
+  """A ClippedSum sealed with ``(total, stats)`` and its rule; a broken seal where not ``valid``.
 
   The optimisation barrier makes the sealed bits those of ONE materialised
   value, so a consumer can never see a recomputation of ``total`` that XLA
   rounded differently (e.g. fused with an FMA).
   """
   total, stats = jax.lax.optimization_barrier((total, stats))
-  seal = fingerprint((total, stats))
+  rule = _Rule(clipping)
+  seal = _seal_of(total, stats, rule)
   if valid is not None:
     seal = jnp.where(valid, seal, seal ^ jnp.uint32(_BROKEN_SEAL))
-  return ClippedSum(total, clipping, stats, seal=seal, _origin=_FROM_CLIPPING)
+  return ClippedSum(total, rule, stats, seal=seal, _origin=_FROM_CLIPPING)
 
 
 def _zero_total(like: PyTree, clipping: Clipping) -> PyTree:

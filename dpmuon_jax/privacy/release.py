@@ -450,7 +450,8 @@ def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
   if concrete is not None:
     if not concrete[0]:
       raise ValueError(
-          "The ClippedSum was changed after clipping (its seal does not match its total): "
+          "The ClippedSum was changed after clipping (its seal does not match its total, "
+          "statistics and clipping rule): "
           "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
           "disjoint examples with a.add_disjoint(b).")
     if not concrete[1]:
@@ -524,6 +525,14 @@ def _release_states(opt_state: optax.OptState) -> list[GaussianReleaseState]:
 def noise_counter(opt_state: optax.OptState) -> int:
   """The index of the next noise key of the (one) release in ``opt_state``."""
   return int(_release_states(opt_state)[0].count)
+
+
+def noise_stream(opt_state: optax.OptState) -> np.ndarray:
+  """The noise stream (raw uint32 key) of the (one) release in ``opt_state``. SECRET."""
+  key = _release_states(opt_state)[0].noise_key
+  if isinstance(key, jax.Array) and not key.is_fully_addressable:
+    key = key.addressable_data(0)  # several processes: replicated on every device
+  return np.asarray(key, np.uint32)
 
 
 def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptState:

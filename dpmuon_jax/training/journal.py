@@ -24,6 +24,8 @@ been observed (logs, a model copied mid-run), so they count:
 
 A torn last line (a crash while appending) is treated as a release that
 happened: its record was being written, so the release may have followed.
+It was written by the process that wrote the line before it, under that
+line's privacy settings, so it is charged at those.
 
 Every entry also records the privacy settings the release was made under (q,
 σ, C, D, N, the neighbouring relation, δ and the accountant: the ledger's
@@ -148,7 +150,12 @@ def check_settings(entries: list[JournalEntry], privacy: dict[str, Any]) -> None
 
 
 def read_journal(path: str) -> list[JournalEntry]:
-  """The journal's entries; a torn last line becomes an entry of unknown fingerprint."""
+  """The journal's entries; a torn last line becomes an entry of unknown fingerprint.
+
+  The torn entry carries the privacy settings of the entry before it (one
+  process writes a run's lines, under one configuration); ``None`` when it
+  is the only line.
+  """
   if not os.path.exists(path):
     return []
   with open(path, encoding="utf-8") as f:
@@ -164,8 +171,21 @@ def read_journal(path: str) -> list[JournalEntry]:
         raise ValueError(f"{path}: line {number} is not a journal entry.") from None
       # Torn while being written: count a release after the last good one.
       last = max((e.key_index for e in entries), default=-1)
-      entries.append(JournalEntry(-1, last + 1, "torn"))
+      entries.append(JournalEntry(-1, last + 1, "torn", entries[-1].privacy if entries else None))
   return entries
+
+
+def mend_torn_line(path: str) -> None:
+  """Rewrites a journal whose last line is torn with that line as a whole ``"torn"`` entry.
+
+  Run before a resumed run appends to the journal: its next line would
+  otherwise continue the torn one, and the journal could no longer be read.
+  The rewrite is atomic; the torn release stays in the journal (charged).
+  """
+  entries = read_journal(path)
+  if entries and entries[-1].fingerprint == "torn":
+    write_private_file(path, "".join(json.dumps(e._asdict(), sort_keys=True) + "\n"
+                                     for e in entries))
 
 
 def plan_resume(

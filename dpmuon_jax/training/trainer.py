@@ -64,7 +64,7 @@ from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name
 from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 from dpmuon_jax.privacy.keys import RootKey, root_key, stream_key
-from dpmuon_jax.privacy.release import PrivateTransformation, with_noise_counter
+from dpmuon_jax.privacy.release import PrivateTransformation, noise_stream, with_noise_counter
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
 from dpmuon_jax.training.checkpoint import (
     TrainingCheckpoint,
@@ -79,6 +79,7 @@ from dpmuon_jax.training.journal import (
     JournalEntry,
     append_entry,
     check_settings,
+    mend_torn_line,
     plan_resume,
     read_records,
 )
@@ -340,16 +341,20 @@ _NOT_FINGERPRINTED = (
 )
 
 
-def run_fingerprint(config: TrainConfig, data: ImageDataset) -> str:
+def run_fingerprint(config: TrainConfig, data: ImageDataset, stream: np.ndarray) -> str:
   """A digest of everything that determines the releases of a run, the data included.
 
   Two runs with equal fingerprints, resumed from the same checkpoint on the
   same backend, make bit-identical releases; the release journal replays lost
-  releases only then.
+  releases only then. ``stream`` is the noise stream the releases draw from
+  (:func:`~dpmuon_jax.privacy.release.noise_stream`): a lost release redone
+  from another stream would be a second release of the same sum, never a
+  replay, whatever the settings say.
   """
   settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_FINGERPRINTED}
   digest = hashlib.sha256()
   digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+  digest.update(np.asarray(stream, np.uint32).tobytes())
   for array in (data.x_train, data.y_train):
     array = np.ascontiguousarray(array)
     digest.update(f"{array.dtype}{array.shape}".encode())
@@ -651,10 +656,13 @@ def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
   if metadata is not None and metadata.get("stop_reason") in _FINISHED:
     return _finished(config, run, ledger, root, ckpt_dir, metadata, resume_step)
   params, opt_state, start, history = _starting_point(run, ckpt_dir, metadata, resume_step)
-  fingerprint = run_fingerprint(config, data)
+  fingerprint = run_fingerprint(config, data, noise_stream(opt_state))
   plan = _plan_keys(config, run, ledger, journal_path, fingerprint, start, metadata, root)
   check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
   state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
+
+  if is_primary():  # a line torn by the crash would run into the next one
+    mend_torn_line(journal_path)
 
   def save(state: LoopState, stop: str | None = None) -> None:
     meta = _metadata(config, data, run, root, ledger, state.key_index, stop, history)
