@@ -18,3 +18,21 @@ def tiny_data():
   x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
   y = rng.integers(0, 3, size=(80,))
   return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+  """After each test file, drop JAX's compiled executables and hand the freed heap back:
+  a worker that runs many files otherwise keeps every file's compiled steps resident."""
+  yield
+  import ctypes
+  import gc
+
+  import jax
+
+  jax.clear_caches()
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
