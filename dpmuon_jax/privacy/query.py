@@ -197,7 +197,7 @@ class ClippedSum:
   in grid units instead of a float32 array.
   """
 
-  def __init__(self, total: PyTree, clipping: Clipping, stats: ClipStats, *,
+  def __init__(self, total: PyTree, clipping: Clipping | _Rule, stats: ClipStats, *,
                seal: jax.Array | None = None, _origin=None):
     if _origin is not _FROM_CLIPPING:
       raise TypeError(
