@@ -56,9 +56,14 @@ print("RESULT" + json.dumps({{"devices": jax.device_count(),
 """
 
 
+def _host_devices_env(devices: int) -> dict:
+  """This environment with ``devices`` forced CPU devices; the caller's own XLA_FLAGS kept."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+
+
 def _run(devices: int, batch: int, steps: int) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = _host_devices_env(devices)
   code = _WORKER.format(batch=batch, steps=steps)
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         check=True)
@@ -71,7 +76,7 @@ STATE_BUDGET_MIB = 64.0
 
 
 def _run_sharded(model: int, quick: bool) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = _host_devices_env(8)
   worker = Path(__file__).resolve().parent / "_sharded_worker.py"
   proc = subprocess.run([sys.executable, str(worker), str(model), "1" if quick else "0"],
                         env=env, capture_output=True, text=True, check=True)

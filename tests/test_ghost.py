@@ -1,7 +1,6 @@
 """Ghost clipping gives the vmap path's clipped sum, norms and stats, and the same sensitivity."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devices import host_devices_env
 from flax import nnx
 
 from dpmuon_jax.models.cnn import SmallCNN
@@ -463,8 +463,7 @@ _MESH_SCRIPT = textwrap.dedent("""
 def test_ghost_inner_momentum_on_a_four_device_mesh_matches_one_device_vmap():
   """Each device ghost-clips its rows (in microbatches of 1), the sums are added once:
   two DP-Muon-IM releases equal the single-device vmap path's."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = host_devices_env(4)
   proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

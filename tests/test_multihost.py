@@ -12,7 +12,6 @@ run at once and share a compilation cache.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from devices import host_devices_env
 from stats import std_interval
 
 from dpmuon_jax.distributed import multihost
@@ -47,9 +47,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int, cache: Path) -> dict:
-  return dict(
-      os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  return host_devices_env(
+      devices, TF_CPP_MIN_LOG_LEVEL="3",
       JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
   )

@@ -5,13 +5,13 @@ script that checks several things and prints them as JSON.
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from devices import host_devices_env
 from stats import std_interval
 
 NUM_DEVICES = 8
@@ -112,9 +112,7 @@ def results():
   script = _SCRIPT.format(
       denominator=DENOMINATOR, clip=CLIP, sigma=SIGMA, noise_dim=NOISE_DIM
   )
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
-  env["JAX_PLATFORMS"] = "cpu"
+  env = host_devices_env(NUM_DEVICES)
   proc = subprocess.run(
       [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
   )
@@ -171,8 +169,7 @@ _TRAINER_SCRIPT = textwrap.dedent(
 
 
 def test_trainer_with_two_devices_matches_one_device(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = host_devices_env(2)
   proc = subprocess.run(
       [sys.executable, "-c", _TRAINER_SCRIPT.replace("{out_dir}", str(tmp_path))],
       capture_output=True, text=True, env=env, timeout=600,

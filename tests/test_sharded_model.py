@@ -11,7 +11,6 @@ errors are checked here, in process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devices import host_devices_env
 from jax.sharding import PartitionSpec
 from stats import std_interval
 
@@ -36,15 +36,12 @@ MESHES = ("1x8", "2x4", "4x2", "8x1")
 TOLERANCE = 1e-6
 # sharded_model_step.py's constants.
 DATA_PARALLEL = {"1x8": 1, "2x4": 2, "4x2": 4, "8x1": 8}
-# Faster XLA compiles (no LLVM optimisation); every mesh is compiled alike.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp("sharded") / "results.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
+  env = host_devices_env(8, TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.run([sys.executable, str(HERE / "sharded_model_step.py"), str(out)],
                         env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parent)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -179,8 +176,7 @@ print(json.dumps(out))
 
 
 def test_dpmuon_train_on_a_model_mesh_matches_one_device(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+  env = host_devices_env(2, TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.run([sys.executable, "-c", _TRAINER_SCRIPT, str(tmp_path)], env=env,
                         capture_output=True, text=True, timeout=600, cwd=HERE.parent)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,6 +194,7 @@ sys.path.insert(0, sys.argv[2])
 from test_text_train import _tiny_config
 from pathlib import Path
 from dpmuon_jax.text.train import train_lm
+from devices import host_devices_env
 out = {name: train_lm(_tiny_config(Path(sys.argv[1]) / name, generate_splits=(), steps=2,
                                    clipped_sum_method="ghost", **layout))
        for name, layout in (("one", {}), ("mesh", {"mesh": "1x2"}))}
@@ -213,8 +210,7 @@ print(json.dumps({"refused": refused, **{k: {"nll": v["valid_nll"], "releases": 
 
 @pytest.mark.skipif(not (TEXT_DIR / "gpt2").is_dir(), reason="shared/data/text is not present")
 def test_train_lm_on_a_model_mesh_matches_one_device(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+  env = host_devices_env(2, TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.run([sys.executable, "-c", _LM_SCRIPT, str(tmp_path), str(HERE)], env=env,
                         capture_output=True, text=True, timeout=600, cwd=HERE.parent)
   assert proc.returncode == 0, proc.stderr[-3000:]
