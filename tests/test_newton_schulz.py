@@ -116,7 +116,9 @@ def test_bfloat16_compute_is_close_and_keeps_input_dtype():
 def test_precision_option_runs_under_jit():
   x = _normal((16, 8), 2)
   fn = jax.jit(lambda m: newton_schulz(m, precision=jax.lax.Precision.HIGHEST))
-  np.testing.assert_allclose(fn(x), newton_schulz(x), atol=1e-6)
+  # On CPU HIGHEST is float32, the default: the jitted and the eager programs differ only in
+  # how XLA fuses and rounds, which five NS steps amplify to ~10 float32 ulps of an O(1) entry.
+  np.testing.assert_allclose(fn(x), newton_schulz(x), atol=1e-5)
 
 
 def test_zero_matrix_maps_to_zero():
