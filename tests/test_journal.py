@@ -6,6 +6,7 @@ exactly as when a run is killed between a release and its checkpoint.
 """
 
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -229,8 +230,9 @@ def _kill_after(settings: dict, releases: int) -> set[int]:
 
 @pytest.mark.parametrize("clean_up", ["truncate", "delete"])
 def test_a_truncated_journal_is_caught_by_the_high_water_mark_and_the_export_counts_it(
-    tmp_path, tiny_data, clean_up
+    tmp_path, tiny_data, capsys, clean_up
 ):
+  from dpmuon_jax.privacy.accounting import compute_epsilon
   from dpmuon_jax.training.checkpoint import latest_good_step, restore_metadata
   from dpmuon_jax.training.export import export_run
 
@@ -244,9 +246,14 @@ def test_a_truncated_journal_is_caught_by_the_high_water_mark_and_the_export_cou
                                              "privacy_certificate.json")).read())
   assert certificate["releases"] == len(made) and certificate["releases_in_checkpoint"] == (
       checkpointed)
+  # Its ε is that of all of them (at the σ the journal says they were made under, q = 16/64).
+  journal = os.path.join(output_dir, JOURNAL_NAME)
+  sigma = read_journal(journal)[0].privacy["noise_multiplier"]
+  epsilon = lambda releases: compute_epsilon(sigma, 16 / 64, releases, 1e-3)
+  assert certificate["epsilon"] == pytest.approx(epsilon(len(made)), rel=1e-9)
+  assert certificate["epsilon"] > epsilon(checkpointed)
   # The mark is moved after the journal line and before the release, so a kill between the
   # two leaves it one behind: that last key was journaled but never used on a sum.
-  journal = os.path.join(output_dir, JOURNAL_NAME)
   last_used = read_high_water(journal).key_index
   assert max(made) - 1 <= last_used <= max(made)
   # Truncate the journal back to the checkpoint (or delete it), as a careless clean-up would.
@@ -256,8 +263,16 @@ def test_a_truncated_journal_is_caught_by_the_high_water_mark_and_the_export_cou
   else:
     with open(journal, "w") as f:
       f.write("".join(json.dumps(e._asdict()) + "\n" for e in kept))
+  capsys.readouterr()
   resumed = train(TrainConfig(**_long_run(output_dir, resume=True, augment=True,
                                           max_steps=max(made) + 3)), tiny_data)
+  # The releases after the checkpoint, gone from the journal, are charged and said to be.
+  lost, out = last_used + 1 - checkpointed, capsys.readouterr().out
+  if lost:
+    assert (f"{lost} release(s) made after the last checkpoint cannot be replayed exactly: "
+            f"charged to the ledger (ε = {epsilon(last_used + 1):.4f})") in out
+  else:  # killed between the journal line and the mark of the release after the checkpoint
+    assert "cannot be replayed" not in out
   new_keys = [e.key_index for e in read_journal(journal) if e.key_index >= checkpointed]
   assert new_keys and min(new_keys) > last_used  # no key of the lost releases used again
   # Every release made is charged: the checkpoint's, the lost ones, and the new ones.
@@ -318,12 +333,55 @@ def test_killed_before_its_first_checkpoint_resumes_only_under_the_journaled_set
   assert resumed["epsilon_spent"] == pytest.approx(expected, rel=1e-9)
 
 
-def test_deleted_checkpoints_do_not_let_a_resume_change_sigma(tmp_path, tiny_data):
+def test_every_journaled_release_records_the_settings_it_was_made_under(tmp_path, tiny_data):
+  # Settings away from the defaults, so a journal that wrote a default would be caught.
+  config = _config(tmp_path, "settings", max_steps=3, clip=0.5, noise_multiplier=1.3,
+                   accountant="pld")
+  results = train(config, tiny_data)
+  journal = os.path.join(config.output_dir, JOURNAL_NAME)
+  entries = read_journal(journal)
+  assert results["releases"] == 3
+  assert [e.key_index for e in entries] == [0, 1, 2]
+  expected = {"sampling_rate": 16 / 64, "noise_multiplier": 1.3, "l2_clip_norm": 0.5,
+              "denominator": 16.0, "neighbouring": "add_remove", "accountant": "pld",
+              "dataset_size": 64, "target_delta": 1e-3, "target_epsilon": 3.0}
+  for entry in [*entries, read_high_water(journal)]:
+    assert entry.privacy is not None
+    assert {k: entry.privacy.get(k) for k in expected} == expected
+
+
+def _refused_resume(config, data, journaled_now, **changed):
+  """Asserts that resuming ``config`` with ``changed`` settings is refused for ``journaled_now``."""
+  with pytest.raises(TrainingError, match="other privacy settings") as refused:
+    train(dataclasses.replace(config, resume=True, **changed), data)
+  if isinstance(journaled_now, str):  # a field name: the changed settings include it
+    assert f"'{journaled_now}':" in str(refused.value)
+  else:  # the exact {field: (journaled, now)} of the settings that changed
+    assert f"(journaled, now): {journaled_now!r}" in str(refused.value)
+
+
+def test_deleted_checkpoints_do_not_let_a_resume_change_sigma_c_d_or_the_accountant(
+    tmp_path, tiny_data, monkeypatch
+):
+  import dpmuon_jax.training.trainer as trainer_module
+
   config = _config(tmp_path, "nockpt", max_steps=3)
   train(config, tiny_data)
   shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))
-  with pytest.raises(TrainingError, match="other privacy settings.*noise_multiplier"):
-    train(_config(tmp_path, "nockpt", resume=True, epsilon=1.0), tiny_data)
+  sigma = read_journal(os.path.join(config.output_dir, JOURNAL_NAME))[0].privacy[
+      "noise_multiplier"]
+  _refused_resume(config, tiny_data, "noise_multiplier", epsilon=1.0)  # σ calibrated anew
+  # One setting changed at a time, σ kept: C, the accountant, D with q (the batch size).
+  _refused_resume(config, tiny_data, {"l2_clip_norm": (1.0, 0.5)}, clip=0.5)
+  _refused_resume(config, tiny_data, {"accountant": ("rdp", "pld")}, noise_multiplier=sigma,
+                  accountant="pld")
+  _refused_resume(config, tiny_data, "denominator", batch_size=32)
+  # D alone (no flag sets it apart from the batch size: a program that passes another D).
+  make_private = trainer_module.make_private
+  with monkeypatch.context() as patch:
+    patch.setattr(trainer_module, "make_private",
+                  lambda **kwargs: make_private(**kwargs, denominator=32.0))
+    _refused_resume(config, tiny_data, {"denominator": (16.0, 32.0)})
   # The same settings (seeded) replay the 3 journaled releases from the start, then continue.
   resumed = train(_config(tmp_path, "nockpt", resume=True, max_steps=5), tiny_data)
   assert resumed["releases"] == 5
