@@ -140,8 +140,42 @@ def test_paper2_settings_in_the_full_scale_configs():
   assert im_preset("dart", 1.0)["decay"] == 0.7
 
 
+# One tiny release per config runs in the fast job only for one config per distinct tiny
+# training path (data set, public slice, first run's optimizer and settings, diagnostics):
+# the others train the same tiny GPT-2 the same way, so their twin's fast run pins their
+# path, and test_every_text_config_builds_every_run (fast) still builds each of their runs.
+SLOW_TEXT_CONFIGS = {
+    "e2e_cpu_im": "paper2_table1_e2e",
+    "e2e_pretrained_cpu": "paper2_table1_e2e",
+    "paper2_table2_e2e": "paper2_table1_e2e",
+    "paper2_table5_group_ablation": "paper2_k_sweep",
+}
+
+
+def _tiny_training(exp: TextExperiment) -> tuple:
+  first = exp.variants[0]
+  return (exp.dataset, exp.public_slice, bool(exp.diagnostic_steps), first.optimizer,
+          first.optimizer_kwargs(exp.dataset, exp.epsilons[0]), first.releases)
+
+
+def test_each_slow_text_config_has_a_fast_twin_that_trains_the_same_way():
+  for slow, fast in SLOW_TEXT_CONFIGS.items():
+    assert fast not in SLOW_TEXT_CONFIGS and fast in TEXT_EXPERIMENTS, slow
+    twin, config = TEXT_EXPERIMENTS[fast], TEXT_EXPERIMENTS[slow]
+    assert _tiny_training(twin) == _tiny_training(config), slow
+    assert set(config.generate_splits) <= set(twin.generate_splits), slow
+
+
 @needs_text_data
 @pytest.mark.parametrize("name", sorted(TEXT_EXPERIMENTS))
+def test_every_text_config_builds_every_run(tmp_path, name):
+  text_sweep.check_buildable(TEXT_EXPERIMENTS[name], str(tmp_path), TEXT_DIR)
+
+
+@needs_text_data
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_TEXT_CONFIGS else name
+    for name in sorted(TEXT_EXPERIMENTS)])
 def test_every_text_config_builds_and_runs_one_release(tmp_path, name):
   exp = TEXT_EXPERIMENTS[name]
   rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR, tiny=True)
