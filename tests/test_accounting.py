@@ -53,6 +53,16 @@ def test_dense_orders_never_worse_than_dp_accounting_defaults():
   assert compute_epsilon(SIGMA, Q, 1000, DELTA) <= default.get_epsilon(DELTA)
 
 
+@pytest.mark.parametrize("sigma, q", [(0.6, 0.3), (1.1, 0.01), (3.0, 1.0)])
+def test_rdp_epsilon_of_any_length_is_dp_accountings_for_that_many_releases(sigma, q):
+  # compute_epsilon reuses one release's RDP curve for every T: it must be exactly what a
+  # fresh RdpAccountant composing SelfComposed(event, T) gives, not an approximation.
+  for steps in (1, 2, 7, 410, 100_000):
+    fresh = rdp_privacy_accountant.RdpAccountant(RDP_ORDERS)
+    fresh.compose(dp_accounting.SelfComposedDpEvent(_event(sigma, q), steps))
+    assert compute_epsilon(sigma, q, steps, DELTA) == fresh.get_epsilon(DELTA), steps
+
+
 def test_pld_is_tighter_than_rdp_on_the_same_events():
   rdp = compute_epsilon(SIGMA, Q, 1000, DELTA, "rdp")
   pld = compute_epsilon(SIGMA, Q, 1000, DELTA, "pld")

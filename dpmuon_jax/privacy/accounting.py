@@ -157,6 +157,17 @@ def gaussian_release_event(
   return dp_accounting.SelfComposedDpEvent(event, int(steps))
 
 
+@functools.lru_cache(maxsize=1024)
+def _rdp_of_one_release(noise_multiplier: float, sampling_rate: float) -> np.ndarray:
+  """ε(λ) of ONE PoissonSampled(q, Gaussian(σ)) release at :data:`RDP_ORDERS` (read-only)."""
+  with quiet_dp_accounting():
+    acc = cast(rdp_privacy_accountant.RdpAccountant, make_accountant(RDP))
+    acc.compose(gaussian_release_event(noise_multiplier, sampling_rate, 1))
+    rdp = np.asarray(acc.rdp, dtype=np.float64)
+  rdp.setflags(write=False)
+  return rdp
+
+
 @functools.lru_cache(maxsize=4096)
 def _epsilon(
     noise_multiplier: float, sampling_rate: float, steps: int, target_delta: float, accountant: str
@@ -166,6 +177,12 @@ def _epsilon(
   if noise_multiplier == 0.0:
     return math.inf
   with quiet_dp_accounting():
+    if accountant == RDP:
+      # RDP composes linearly: T releases have T·ε₁(λ), which is what dp-accounting's
+      # RdpAccountant computes for SelfComposed(event, T) (bit for bit), so the one
+      # release's curve is computed once per (σ, q) and every T reuses it.
+      rdp = steps * _rdp_of_one_release(noise_multiplier, sampling_rate)
+      return float(rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, rdp, target_delta)[0])
     acc = make_accountant(accountant)
     acc.compose(gaussian_release_event(noise_multiplier, sampling_rate, steps))
     return float(acc.get_epsilon(target_delta))
