@@ -1,6 +1,9 @@
 """Tests run on CPU; multi-device tests start their own subprocess."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -13,6 +16,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # flags; a user's own XLA_FLAGS come last and win.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+
+# One persistent compilation cache for the whole run, its xdist workers and the subprocesses
+# they start (all inherit the environment): the many small programs every test compiles
+# again (parameter initialisers, key splits, metrics) are compiled once. Steps that hold a
+# host callback (the release's key-use check) are never cached, so each test still compiles
+# its own step. A cache the caller set is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="dpmuon-jax-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  atexit.register(shutil.rmtree, _CACHE, True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
