@@ -4,7 +4,7 @@
     python benchmarks/bench_ghost.py --section opacus     # one section (overhead, memory, im,
                                                           #   opacus); repeatable
     python benchmarks/bench_ghost.py --section opacus --cores 1   # each step on one core
-    python benchmarks/bench_ghost.py --quick              # every path, tiny (1.5–2.5 min here)
+    python benchmarks/bench_ghost.py --quick              # every path, tiny (1–1.5 min here)
 
 (Times on 2 cores shared with a training run.) The model is
 :class:`~dpmuon_jax.text.gpt2.GPT2` on GPT-2's BPE cut to 4,096 tokens, 2
@@ -45,8 +45,9 @@ within the run; on shared cores compare ratios, not seconds. Each section
 measures its steps back to back (only the memory section reuses earlier
 ones), so its time ratios compare steps run minutes apart. The last lines
 read the ratios against targets. ``--quick`` (one repeat, a 1-layer model
-of width 32, vocabulary 256, T = 16, every step in one child process) only
-checks that every path runs: its numbers mean nothing.
+of width 32, vocabulary 256, T = 16, vmap only in sections 2 and 4, every
+step in one child process) only checks that every path runs: its numbers
+mean nothing.
 """
 
 from __future__ import annotations
@@ -94,21 +95,26 @@ class Scale(NamedTuple):
   length: int
   dim: int  # the width of every section but the width sweep
   overhead_batches: tuple[int, ...]
+  overhead_methods: tuple[str, ...]  # the clipped sums section 1 times
   memory_batches: tuple[int, ...]
   widths: tuple[int, ...]
   width_batch: int
   im_batch: int
   histories: tuple[int, ...]
+  im_methods: tuple[str, ...]  # the clipped sums section 3 times
   torch_batch: int
   vmap_microbatch: int  # vmap rows above this many are summed in chunks of it
   repeats: int
 
 
 FULL = Scale(layers=2, vocab=4096, length=64, dim=128, overhead_batches=(256, 1024),
-             memory_batches=(64, 256, 1024), widths=(128, 256, 512), width_batch=64,
-             im_batch=256, histories=(1, 2, 4), torch_batch=256, vmap_microbatch=256, repeats=3)
-QUICK = Scale(layers=1, vocab=256, length=16, dim=32, overhead_batches=(8,), memory_batches=(8,),
-              widths=(32,), width_batch=8, im_batch=8, histories=(1,), torch_batch=8,
+             overhead_methods=("vmap", "ghost"), memory_batches=(64, 256, 1024),
+             widths=(128, 256, 512), width_batch=64, im_batch=256, histories=(1, 2, 4),
+             im_methods=("ghost", "vmap"), torch_batch=256, vmap_microbatch=256, repeats=3)
+# --quick: sections 1 and 3 time ghost only (vmap runs, as DP-SGD, in sections 2 and 4).
+QUICK = Scale(layers=1, vocab=256, length=16, dim=32, overhead_batches=(8,),
+              overhead_methods=("ghost",), memory_batches=(8,), widths=(32,), width_batch=8,
+              im_batch=8, histories=(1,), im_methods=("ghost",), torch_batch=8,
               vmap_microbatch=4, repeats=1)
 
 
@@ -365,7 +371,7 @@ def overhead(bench: Bench) -> Ratios:
     for opt in ("sgd", "muon"):
       s0, base = bench.get("nonprivate", b, opt)
       row(s0, base, base)
-      for method in ("vmap", "ghost"):
+      for method in bench.scale.overhead_methods:
         s, r = bench.get(method, b, opt)
         row(s, r, base)
         if method == "ghost" and b == bench.scale.overhead_batches[0]:
@@ -422,7 +428,7 @@ def inner_momentum(bench: Bench) -> Ratios:
   print(f"\n3. DP-Muon-IM / DP-Muon at B = {sc.im_batch} (IM: K past states, K + 1 gradients)")
   header("×Muon")
   out: Ratios = {}
-  for method in ("ghost", "vmap"):
+  for method in sc.im_methods:
     s0, base = bench.get(method, sc.im_batch, "muon")
     row(s0, base, base)
     rows = {k: bench.get(method, sc.im_batch, "im", history=k) for k in sc.histories}
@@ -541,7 +547,8 @@ def run_sections(sections: list[str], scale: Scale, quick: bool, repeats: int, c
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="tiny GPT-2, one repeat")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny GPT-2, one repeat: a smoke run (numbers mean nothing)")
   parser.add_argument("--section", choices=SECTIONS, action="append",
                       help="run only this section (repeatable; default: all)")
   parser.add_argument("--repeats", type=int, default=None)

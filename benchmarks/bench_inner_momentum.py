@@ -1,7 +1,7 @@
 """Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC.
 
     python benchmarks/bench_inner_momentum.py            # small CNN, B = 1024, microbatch 128
-    python benchmarks/bench_inner_momentum.py --quick    # B = 64; DP-Muon, IM K=1, BC (smoke run)
+    python benchmarks/bench_inner_momentum.py --quick    # B = 16; DP-Muon, IM K=1, BC (smoke run)
     python benchmarks/bench_inner_momentum.py --workload gpt2   # the e2e_cpu_im GPT-2, B = 256
 
 ``--workload gpt2`` times ``GPT2_CPU``, the CPU-scale GPT-2 of
@@ -107,8 +107,8 @@ def _gib(value: float | None) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
-                      help="B = 64, microbatch 32, 2 rounds; DP-Muon, IM K=1 and BC, "
-                      "DP-Muon's memory only")
+                      help="smoke run (numbers mean nothing): B = 16, microbatch 8, 1 round; "
+                      "DP-Muon, IM K=1 and BC, DP-Muon's memory only")
   parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn")
   parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -116,10 +116,12 @@ def main() -> None:
     name, b, mb, workload = args.memory_child
     memory_child(name, int(b), int(mb), workload)
     return
-  if args.workload == "gpt2":
-    batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (256, 64, 3)
+  if args.quick:
+    batch_size, microbatch, rounds = 16, 8, 1
+  elif args.workload == "gpt2":
+    batch_size, microbatch, rounds = 256, 64, 3
   else:
-    batch_size, microbatch, rounds = (64, 32, 2) if args.quick else (1024, 128, 3)
+    batch_size, microbatch, rounds = 1024, 128, 3
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.workload}, "
         f"B = {batch_size}, microbatch {microbatch}, {rounds} rounds")
   names = QUICK_CONFIGS if args.quick else tuple(CONFIGS)

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_secure_noise.py                      # d = 1e4, 1e5, 1e6
     python benchmarks/bench_secure_noise.py --dims 1000000 --repeats 9
-    python benchmarks/bench_secure_noise.py --quick              # d = 1e3, B = 16, one round
+    python benchmarks/bench_secure_noise.py --quick              # d = 1e3, B = 4, one round
 
 Prints, for each number of coordinates d, the seconds to draw d noise
 coordinates, measured side by side in one run:
@@ -93,7 +93,8 @@ def bench_step(batch_size: int, repeats: int) -> tuple[dict[str, float], int]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="d = 1e3, one round, B = 16")
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke run, its numbers mean nothing: d = 1e3, one round, B = 4")
   parser.add_argument("--dims", type=int, nargs="+", default=None,
                       help="numbers of noise coordinates d (default: 1e4 1e5 1e6)")
   parser.add_argument("--repeats", type=int, default=None,
@@ -104,7 +105,7 @@ def main() -> None:
   args.dims = args.dims or ([10**3] if args.quick else [10**4, 10**5, 10**6])
   args.repeats = args.repeats or (1 if args.quick else 5)
   if args.step_batch is None:
-    args.step_batch = 16 if args.quick else 256
+    args.step_batch = 4 if args.quick else 256
   print(f"== noise draw, {jax.devices()[0].platform}, σ = {SIGMA} "
         f"(median of {args.repeats} interleaved rounds)")
   print(f"{'d':>9} {'σ_int':>7} {'float s':>10} {'secure s':>10} {'secure/float':>12} "

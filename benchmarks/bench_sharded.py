@@ -1,7 +1,7 @@
 """The private step on 8 simulated CPU devices: data-parallel throughput, sharded GPT-2 state.
 
     python benchmarks/bench_sharded.py [--batch 256] [--steps 20] [--no-audit]
-    python benchmarks/bench_sharded.py --quick     # B = 64, 2 steps, tiny GPT-2, no audit
+    python benchmarks/bench_sharded.py --quick     # smoke run: B = 16, 1 step, tiny GPT-2, no audit
 
 1. Throughput of the data-parallel step on 1, 2, 4, 8 devices.
 2. A GPT-2 (4 layers, width 256, 8,192 tokens) with DP-Muon-IM (K = 4: six
@@ -14,6 +14,9 @@ Each device count runs in its own subprocess (the count must be fixed before
 JAX starts). Simulated CPU devices share the machine's cores, so times
 measure the overhead of sharding (collectives, layout), not a speed-up.
 Also times one white-box one-run audit (10⁴ canaries, digits MLP).
+
+``--quick`` only checks that every path runs (its numbers mean nothing): section 1
+on meshes of 1 and 8 of the 8 devices of one subprocess, section 2 at model = 8.
 """
 
 import argparse
@@ -30,7 +33,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from dpmuon_jax.distributed.mesh import data_mesh, shard_batch
 from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.optimizers import dp_sgd
-B, STEPS = {batch}, {steps}
+B, STEPS, COUNTS = {batch}, {steps}, {counts}
 rng = np.random.default_rng(0)
 params = {{"w1": jnp.asarray(rng.normal(size=(784, 256)) / 28, jnp.float32),
            "b1": jnp.zeros(256), "w2": jnp.asarray(rng.normal(size=(256, 10)) / 16, jnp.float32),
@@ -40,19 +43,20 @@ def loss(p, b):
   return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], b["y"]).mean()
 batch = {{"x": rng.normal(size=(B, 784)).astype(np.float32), "y": rng.integers(0, 10, B)}}
 mask = np.arange(B) < int(0.9 * B)
-mesh = data_mesh(jax.device_count())
-opt = dp_sgd(0.1, 1.0, 1.0, float(B), key=0)
-step = make_private_step(opt, loss, mesh=mesh)
-b, m = shard_batch(mesh, batch, mask)
-state = opt.init(params)
-out = step(params, state, [(b, m)]); jax.block_until_ready(out.params)
-t = time.perf_counter()
-p, s = params, state
-for _ in range(STEPS):
-  out = step(p, s, [(b, m)]); p, s = out.params, out.opt_state
-jax.block_until_ready(p)
-print("RESULT" + json.dumps({{"devices": jax.device_count(),
-                             "examples_per_s": STEPS * B / (time.perf_counter() - t)}}))
+for n in COUNTS:
+  mesh = data_mesh(n)
+  opt = dp_sgd(0.1, 1.0, 1.0, float(B), key=0)
+  step = make_private_step(opt, loss, mesh=mesh)
+  b, m = shard_batch(mesh, batch, mask)
+  state = opt.init(params)
+  out = step(params, state, [(b, m)]); jax.block_until_ready(out.params)
+  t = time.perf_counter()
+  p, s = params, state
+  for _ in range(STEPS):
+    out = step(p, s, [(b, m)]); p, s = out.params, out.opt_state
+  jax.block_until_ready(p)
+  print("RESULT" + json.dumps({{"devices": n,
+                               "examples_per_s": STEPS * B / (time.perf_counter() - t)}}))
 """
 
 
@@ -62,13 +66,14 @@ def _host_devices_env(devices: int) -> dict:
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
 
 
-def _run(devices: int, batch: int, steps: int) -> dict:
-  env = _host_devices_env(devices)
-  code = _WORKER.format(batch=batch, steps=steps)
+def _run(counts: tuple[int, ...], batch: int, steps: int) -> list[dict]:
+  """Section 1 on a mesh of each of ``counts`` devices, in one subprocess of max(counts)."""
+  env = _host_devices_env(max(counts))
+  code = _WORKER.format(batch=batch, steps=steps, counts=counts)
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         check=True)
-  line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return [json.loads(ln[len("RESULT"):]) for ln in proc.stdout.splitlines()
+          if ln.startswith("RESULT")]
 
 
 STATE_BUDGET_MIB = 64.0
@@ -86,7 +91,7 @@ def _run_sharded(model: int, quick: bool) -> dict:
 
 def sharded_table(quick: bool) -> None:
   """Section 2's table; at model = 8 the state must be within 1.15× of total / 8."""
-  rows = [_run_sharded(m, quick) for m in ((1, 8) if quick else (1, 2, 4, 8))]
+  rows = [_run_sharded(m, quick) for m in ((8,) if quick else (1, 2, 4, 8))]
   total = rows[0]["state_bytes_total"] / 2**20
   print(f"\nGPT-2 + DP-Muon-IM (K = {4}) state: {total:.1f} MiB in all; budget "
         f"{STATE_BUDGET_MIB:.0f} MiB per device")
@@ -105,16 +110,18 @@ def sharded_table(quick: bool) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="B = 64, 2 steps, no audit")
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke run (numbers mean nothing): B = 16, 1 step, no audit")
   parser.add_argument("--batch", type=int, default=None, help="default: 256")
   parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20)")
   parser.add_argument("--no-audit", dest="audit", action="store_false",
                       help="skip timing the one-run audit")
   args = parser.parse_args()
-  args.batch = args.batch or (64 if args.quick else 256)
-  args.steps = args.steps or (2 if args.quick else 20)
+  args.batch = args.batch or (16 if args.quick else 256)
+  args.steps = args.steps or (1 if args.quick else 20)
   args.audit = args.audit and not args.quick
-  rows = [_run(n, args.batch, args.steps) for n in (1, 2, 4, 8)]
+  groups = [(1, 8)] if args.quick else [(1,), (2,), (4,), (8,)]
+  rows = [r for counts in groups for r in _run(counts, args.batch, args.steps)]
   base = rows[0]["examples_per_s"]
   print(f"{'devices':>8} {'examples/s':>12} {'ratio to 1':>11}")
   for r in rows:

@@ -6,6 +6,7 @@
 2. DP-Muon / DP-SGD on a WRN-16-4 parameter tree (2.7M parameters):
    the optimizer update alone (release + post-processing on a clipped sum),
    and a full private step (per-example gradients, clipping, release, update).
+   (``--quick``: the small CNN's tree, and its step at B = 16.)
 3. GPT-2 small (124M, tapped for ghost clipping), B = 64 × T = 128 tokens:
    the non-private step, then DP-SGD and DP-Muon with ghost clipping, then
    DP-SGD with per-example gradients (microbatches of 16): tokens/s, the
@@ -16,7 +17,7 @@
    (per-device bytes against total / n) and the step time.
 
     python benchmarks/gpu_check.py            # accelerator sizes (B = 1024)
-    python benchmarks/gpu_check.py --quick    # CPU-sized smoke run
+    python benchmarks/gpu_check.py --quick    # CPU-sized smoke run (its numbers mean nothing)
 
 Prints results; exits non-zero if an accuracy check fails.
 """
@@ -87,7 +88,11 @@ def _optimizers(batch_size: int) -> dict:
   }
 
 
-def check_update_ratio(params, repeats: int) -> None:
+def check_update_ratio(model_name: str, label: str, repeats: int) -> None:
+  from dpmuon_jax.models.common import pure_model
+  from dpmuon_jax.models.registry import create_model
+
+  params = pure_model(create_model(model_name, 10, (32, 32, 3), seed=0)).params
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   noise = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
@@ -100,7 +105,7 @@ def check_update_ratio(params, repeats: int) -> None:
     update, state = jax.jit(opt.update), opt.init(params)
     times[name] = _median_time(lambda u=update, s=state: u(clipped, s, params), repeats)
   n = sum(x.size for x in leaves)
-  print(f"\n== Optimizer update on a WRN-16-4 tree ({n} parameters): release + post-processing")
+  print(f"\n== Optimizer update on a {label} tree ({n} parameters): release + post-processing")
   print(f"DP-SGD {1e3 * times['DP-SGD']:.3f} ms   DP-Muon {1e3 * times['DP-Muon']:.3f} ms   "
         f"ratio {times['DP-Muon'] / times['DP-SGD']:.3f}")
 
@@ -214,27 +219,24 @@ def check_gpt2_sharded(quick: bool, repeats: int) -> None:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="reduced sizes for a CPU smoke run")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes, one repeat: a CPU smoke run (numbers mean nothing)")
   parser.add_argument("--skip-step", action="store_true", help="skip the full private step")
   args = parser.parse_args()
   start = time.perf_counter()
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
   if args.quick:
-    shapes, repeats, step_args = [(256, 256), (576, 64)], 5, ("cnn", 64, 32, 3)
+    shapes, repeats, gpt2_repeats = [(256, 256), (576, 64)], 1, 1
+    tree, step_args = ("cnn", "small CNN"), ("cnn", 16, 8, 1)
   else:
     shapes, repeats = [(576, 64), (1024, 1024), (4096, 1024), (4096, 4096)], 20
-    step_args = ("wrn16_4", 1024, 256, 5)
+    gpt2_repeats, tree, step_args = 5, ("wrn16_4", "WRN-16-4"), ("wrn16_4", 1024, 256, 5)
   ok = check_newton_schulz(shapes, repeats)
-
-  from dpmuon_jax.models.common import pure_model
-  from dpmuon_jax.models.registry import create_model
-
-  wrn_params = pure_model(create_model("wrn16_4", 10, (32, 32, 3), seed=0)).params
-  check_update_ratio(wrn_params, repeats)
+  check_update_ratio(*tree, repeats)
   if not args.skip_step:
     check_step_ratio(*step_args)
-  check_gpt2_ghost(args.quick, 3 if args.quick else 5)
-  check_gpt2_sharded(args.quick, 3 if args.quick else 5)
+  check_gpt2_ghost(args.quick, gpt2_repeats)
+  check_gpt2_sharded(args.quick, gpt2_repeats)
   print(f"\nwall time {time.perf_counter() - start:.1f} s; accuracy {'OK' if ok else 'FAILED'}")
   return 0 if ok else 1
 
