@@ -181,7 +181,7 @@ def _epsilon(
       # RDP composes linearly: T releases have T·ε₁(λ), which is what dp-accounting's
       # RdpAccountant computes for SelfComposed(event, T) (bit for bit), so the one
       # release's curve is computed once per (σ, q) and every T reuses it.
-      rdp = steps * _rdp_of_one_release(noise_multiplier, sampling_rate)
+      rdp = (steps * _rdp_of_one_release(noise_multiplier, sampling_rate)).tolist()
       return float(rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, rdp, target_delta)[0])
     acc = make_accountant(accountant)
     acc.compose(gaussian_release_event(noise_multiplier, sampling_rate, steps))
