@@ -168,6 +168,23 @@ def _rdp_of_one_release(noise_multiplier: float, sampling_rate: float) -> np.nda
   return rdp
 
 
+def release_rdp(noise_multiplier: float, sampling_rate: float, steps: int = 1) -> np.ndarray:
+  """ε(λ) at :data:`RDP_ORDERS` of ``steps`` PoissonSampled(q, Gaussian(σ)) releases.
+
+  RDP composes linearly, T·ε₁(λ): exactly what dp-accounting's ``RdpAccountant``
+  computes for SelfComposed(event, T), bit for bit; ε₁ is computed once per (σ, q).
+  """
+  return steps * _rdp_of_one_release(float(noise_multiplier), float(sampling_rate))
+
+
+def epsilon_from_rdp(rdp: np.ndarray, target_delta: float) -> float:
+  """ε at δ of an RDP curve at :data:`RDP_ORDERS` (dp-accounting's conversion)."""
+  with quiet_dp_accounting():
+    epsilon, _ = rdp_privacy_accountant.compute_epsilon(
+        RDP_ORDERS, np.asarray(rdp).tolist(), target_delta)
+  return float(epsilon)
+
+
 @functools.lru_cache(maxsize=4096)
 def _epsilon(
     noise_multiplier: float, sampling_rate: float, steps: int, target_delta: float, accountant: str
@@ -176,13 +193,9 @@ def _epsilon(
     return 0.0
   if noise_multiplier == 0.0:
     return math.inf
+  if accountant == RDP:
+    return epsilon_from_rdp(release_rdp(noise_multiplier, sampling_rate, steps), target_delta)
   with quiet_dp_accounting():
-    if accountant == RDP:
-      # RDP composes linearly: T releases have T·ε₁(λ), which is what dp-accounting's
-      # RdpAccountant computes for SelfComposed(event, T) (bit for bit), so the one
-      # release's curve is computed once per (σ, q) and every T reuses it.
-      rdp = (steps * _rdp_of_one_release(noise_multiplier, sampling_rate)).tolist()
-      return float(rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, rdp, target_delta)[0])
     acc = make_accountant(accountant)
     acc.compose(gaussian_release_event(noise_multiplier, sampling_rate, steps))
     return float(acc.get_epsilon(target_delta))

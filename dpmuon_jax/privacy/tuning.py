@@ -46,9 +46,8 @@ import functools
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
-import dp_accounting
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 from numpy.typing import ArrayLike
@@ -56,13 +55,12 @@ from numpy.typing import ArrayLike
 from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import (
   CALIBRATION_RTOL,
-  RDP,
   RDP_ORDERS,
-  gaussian_release_event,
+  epsilon_from_rdp,
   log_gap,
-  make_accountant,
   quiet_dp_accounting,
   refine_bracket,
+  release_rdp,
 )
 
 
@@ -243,12 +241,10 @@ def _check_run(run: RunPrivacy) -> None:
 
 @functools.lru_cache(maxsize=512)
 def _base_rdp(sigma: float, q: float, steps: int, score_sigma: float | None) -> tuple[float, ...]:
-  with quiet_dp_accounting():
-    accountant = cast(rdp_privacy_accountant.RdpAccountant, make_accountant(RDP))
-    accountant.compose(gaussian_release_event(sigma, q, steps))
-    if score_sigma is not None:
-      accountant.compose(dp_accounting.GaussianDpEvent(score_sigma))
-    return tuple(float(r) for r in accountant.rdp)
+  rdp = release_rdp(sigma, q, steps)
+  if score_sigma is not None:  # the score's Gaussian: a release of every example (q = 1)
+    rdp = rdp + release_rdp(score_sigma, 1.0)
+  return tuple(float(r) for r in rdp)
 
 
 def base_rdp(run: RunPrivacy, score: ScoreRelease) -> np.ndarray:
@@ -313,17 +309,10 @@ def tuned_rdp(orders: ArrayLike, rdp: ArrayLike, distribution: RunCount) -> np.n
   return np.minimum.accumulate(out[::-1])[::-1]
 
 
-def _epsilon_from_rdp(rdp: np.ndarray, target_delta: float) -> float:
-  with quiet_dp_accounting():
-    epsilon, _ = rdp_privacy_accountant.compute_epsilon(list(RDP_ORDERS), rdp.tolist(),
-                                                        target_delta)
-  return float(epsilon)
-
-
 def run_epsilon(run: RunPrivacy, score: ScoreRelease, target_delta: float) -> float:
   """ε at δ of ONE run and its score (what a single run, untuned, would spend)."""
   checks.check_in_range("target_delta", target_delta, 0.0, 1.0, False, False)
-  return _epsilon_from_rdp(base_rdp(run, score), target_delta)
+  return epsilon_from_rdp(base_rdp(run, score), target_delta)
 
 
 def tuned_epsilon(
@@ -338,20 +327,18 @@ def tuned_epsilon(
     target_delta: δ in (0, 1).
   """
   checks.check_in_range("target_delta", target_delta, 0.0, 1.0, False, False)
-  return _epsilon_from_rdp(tuned_rdp(RDP_ORDERS, base_rdp(run, score), distribution),
+  return epsilon_from_rdp(tuned_rdp(RDP_ORDERS, base_rdp(run, score), distribution),
                            target_delta)
 
 
 def composed_epsilon(runs: Sequence[RunPrivacy], target_delta: float) -> float:
   """ε at δ of several runs that are ALL published (RDP composition; no selection)."""
   checks.check_in_range("target_delta", target_delta, 0.0, 1.0, False, False)
-  with quiet_dp_accounting():
-    accountant = make_accountant(RDP)
-    for run in runs:
-      _check_run(run)
-      accountant.compose(gaussian_release_event(run.noise_multiplier, run.sampling_rate,
-                                                int(run.steps)))
-    return float(accountant.get_epsilon(target_delta))
+  rdp = np.zeros(len(RDP_ORDERS))
+  for run in runs:
+    _check_run(run)
+    rdp = rdp + release_rdp(run.noise_multiplier, run.sampling_rate, int(run.steps))
+  return epsilon_from_rdp(rdp, target_delta)
 
 
 MAX_NOISE_MULTIPLIER = 1e4
