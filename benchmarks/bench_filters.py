@@ -58,7 +58,7 @@ def build(name: str, batch_size: int, microbatch: int):
   step = make_private_step(opt, classification_loss(model.apply), microbatch_size=microbatch)
   params = model.params
   state = opt.init(params)
-  overflow = jax.jit(step.empty_overflow)(params)  # one program, not ~100 eager ones
+  overflow = step.empty_overflow(params)
   # One step first, so DiSK's recorded update d_1 is non-zero (as in training).
   params, state, _ = step.step(params, state, batch, mask, overflow)
   args = (params, state, batch, mask, overflow)

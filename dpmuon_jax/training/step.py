@@ -173,6 +173,7 @@ def make_private_step(
         total, opt_state, params)  # pyright: ignore[reportArgumentType]
     return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
 
+  @jax.jit  # one program, not ~100 eager ones (the seal is a function of the zeros alone)
   def empty_overflow(params) -> ClippedSum:
     return zeros_clipped_sum(params, clipping)
 
