@@ -21,6 +21,8 @@ BATCH = 3
 # Tiny configurations of every registered model, on 8×8 images.
 TINY = {
     "cnn": (lambda: create_model("cnn", NUM_CLASSES, (8, 8, 3), seed=0), (8, 8, 3)),
+    "mlp": (lambda: create_model("mlp", NUM_CLASSES, (8, 8, 3), seed=0, hidden=(16, 8)),
+            (8, 8, 3)),
     "wrn": (lambda: WideResNet(10, 1, NUM_CLASSES, rngs=nnx.Rngs(0)), (8, 8, 3)),
     "resnet": (
         lambda: create_model(
@@ -161,9 +163,9 @@ def test_full_size_models(name, count):
 
 
 def test_registry_names_and_paths():
-  assert set(MODEL_NAMES) == {"cnn", "wrn16_4", "wrn28_10", "resnet18", "vit_small"}
+  assert set(MODEL_NAMES) == {"cnn", "mlp", "wrn16_4", "wrn28_10", "resnet18", "vit_small"}
   for name, (make, _) in TINY.items():
-    if name != "cnn":  # SmallCNN's norms are optional
+    if name not in ("cnn", "mlp"):  # SmallCNN's norms are optional; the MLP has none
       _check_no_batchnorm_and_paths(nnx.eval_shape(make), NUM_CLASSES)
   vit_params = nnx.state(nnx.eval_shape(TINY["vit"][0]), nnx.Param)
   assert vit_params["pos_embed"].shape == (1 + 16, 16)  # 2×2 patches on 8×8: 16 + cls
@@ -174,6 +176,23 @@ def test_registry_names_and_paths():
     WideResNet(15, 1, 10, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="not divisible by patch size"):
     VisionTransformer(10, image_shape=(30, 30, 3), rngs=nnx.Rngs(0))
+
+
+def test_mlp_is_dense_layers_on_the_flattened_image():
+  model, _ = model_and_loss("mlp", NUM_CLASSES, (8, 8, 1), seed=0)
+  p = model.params
+  assert sum(x.size for x in jax.tree.leaves(p)) == 64 * 128 + 128 + 128 * NUM_CLASSES + (
+      NUM_CLASSES)
+  images, _ = _batch((8, 8, 1))
+  hidden = jax.nn.relu(images.reshape(len(images), -1) @ p["dense0"]["kernel"]
+                       + p["dense0"]["bias"])
+  np.testing.assert_allclose(model.apply(p, images),
+                             hidden @ p["head"]["kernel"] + p["head"]["bias"], rtol=1e-5,
+                             atol=1e-6)
+  with pytest.raises(ValueError, match="at least one positive width"):
+    create_model("mlp", NUM_CLASSES, (8, 8, 1), seed=0, hidden=())
+  with pytest.raises(ValueError, match="activation"):
+    create_model("mlp", NUM_CLASSES, (8, 8, 1), seed=0, activation="gelu")
 
 
 def test_model_and_loss_is_mean_cross_entropy():

@@ -1,6 +1,8 @@
 """Models by name: ``create_model`` and ``model_and_loss``.
 
 * ``cnn``: :class:`~dpmuon_jax.models.cnn.SmallCNN` (~156k parameters on CIFAR-10);
+* ``mlp``: :class:`~dpmuon_jax.models.mlp.MLP`, one hidden layer of 128 (9.6k parameters
+  on 8×8 digits; the quickest to compile);
 * ``wrn16_4``, ``wrn28_10``: :class:`~dpmuon_jax.models.wrn.WideResNet` (2.75M, 36.5M);
 * ``resnet18``: :class:`~dpmuon_jax.models.resnet.ResNet` (11.2M);
 * ``vit_small``: :class:`~dpmuon_jax.models.vit.VisionTransformer` (21.3M).
@@ -22,11 +24,16 @@ from flax import nnx
 from dpmuon_jax.models import taps
 from dpmuon_jax.models.cnn import SmallCNN
 from dpmuon_jax.models.common import PureModel, classification_loss, pure_model
+from dpmuon_jax.models.mlp import MLP, in_features
 from dpmuon_jax.models.resnet import ResNet
 from dpmuon_jax.models.vit import VisionTransformer
 from dpmuon_jax.models.wrn import WideResNet
 
 Builder = Callable[..., nnx.Module]
+
+
+def _mlp(num_classes: int, shape: tuple[int, int, int], rngs: nnx.Rngs, **kw: Any) -> nnx.Module:
+  return MLP(num_classes, in_features(shape), rngs=rngs, **kw)
 
 
 def _cnn(num_classes: int, shape: tuple[int, int, int], rngs: nnx.Rngs, **kw: Any) -> nnx.Module:
@@ -55,6 +62,7 @@ def _vit_small(num_classes: int, shape: tuple[int, int, int], rngs: nnx.Rngs, **
 
 _BUILDERS: dict[str, Builder] = {
     "cnn": _cnn,
+    "mlp": _mlp,
     "wrn16_4": _wrn(16, 4),
     "wrn28_10": _wrn(28, 10),
     "resnet18": _resnet18,
@@ -79,9 +87,10 @@ def create_model(
     image_shape: (H, W, C) of one input image.
     seed: public initialisation seed.
     **overrides: constructor arguments of the model class, e.g. ``groups``;
-      ``conv_impl="patches"`` for the convolutional models (fast per-example
-      gradients on CPU); ``depth``/``width`` for the WRNs and ``width``/
-      ``stage_sizes`` for ``resnet18`` (scaled-down variants); for
+      ``hidden`` (widths) for ``mlp``; ``conv_impl="patches"`` for the
+      convolutional models (fast per-example gradients on CPU);
+      ``depth``/``width`` for the WRNs and ``width``/``stage_sizes`` for
+      ``resnet18`` (scaled-down variants); for
       ``vit_small``, ``dim``/``depth``/``num_heads``/``patch_size``.
   """
   if name not in _BUILDERS:
