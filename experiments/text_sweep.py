@@ -241,8 +241,8 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   each run's TensorBoard logs in a folder of its own. ``own_process`` (the
   default): the setup and each run happen in a fresh process of their own
   (:func:`in_own_process`), so a row's peak memory is that run's alone; ``False``
-  runs them in this process (the tests use it to stand a fake in for
-  :func:`train_lm`). Returns the experiment's rows, in :meth:`TextExperiment.runs`
+  runs them in this process (the tests use it for tiny runs, and to stand a fake in
+  for :func:`train_lm`). Returns the experiment's rows, in :meth:`TextExperiment.runs`
   order.
   """
   if exp.pretrained and gpt2_dir is None and not tiny:

@@ -8,7 +8,7 @@ import pytest
 
 from dpmuon_jax.cli import _parser, main
 
-SMALL = ["--epochs", "1", "--batch-size", "64", "--max-steps", "2"]
+SMALL = ["--model", "mlp", "--epochs", "1", "--batch-size", "64", "--max-steps", "2"]
 
 
 def test_tune_selects_a_learning_rate_within_the_total_budget(tmp_path, capsys):

@@ -52,7 +52,7 @@ def test_journal_is_durable_owner_only_and_tolerates_a_torn_line(tmp_path):
 
 
 def _config(tmp_path, name, **kw):
-  base = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
+  base = dict(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
               batch_size=16, epochs=2, seed=3, output_dir=str(tmp_path / name),
               progress=False, plot=False, learning_rate=0.1, checkpoint_every=1)
   base.update(kw)
@@ -142,7 +142,7 @@ rng = np.random.default_rng(0)
 x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
 y = rng.integers(0, 3, size=(80,))
 data = ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
-train(TrainConfig(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=50.0, delta=1e-3,
+train(TrainConfig(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=50.0, delta=1e-3,
                   batch_size=16, epochs=200, seed=3, output_dir=sys.argv[1], progress=False,
                   plot=False, learning_rate=0.1, checkpoint_every=3), data)
 """
@@ -167,7 +167,7 @@ def test_a_killed_run_resumed_with_augmentation_never_reuses_a_key(tmp_path, tin
     child.wait()
   made = {e.key_index for e in read_journal(journal)}
   assert len(made) >= 8
-  resumed = train(TrainConfig(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=50.0,
+  resumed = train(TrainConfig(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=50.0,
                               delta=1e-3,
                               batch_size=16, epochs=200, seed=3, output_dir=output_dir,
                               progress=False, plot=False, learning_rate=0.1,
@@ -197,7 +197,7 @@ train(TrainConfig(**json.loads(sys.argv[1])), data)
 
 
 def _long_run(output_dir, **kw):
-  base = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=50.0, delta=1e-3,
+  base = dict(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=50.0, delta=1e-3,
               batch_size=16, epochs=200, seed=3, output_dir=output_dir, progress=False,
               plot=False, learning_rate=0.1, checkpoint_every=3)
   base.update(kw)

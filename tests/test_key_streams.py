@@ -145,7 +145,7 @@ def _root_of(run_dir):
 def test_compare_gives_every_run_its_own_root_and_keeps_the_seed_out_of_results(
     tmp_path, tiny_data, seed
 ):
-  config = TrainConfig(model="cnn", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
+  config = TrainConfig(model="mlp", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
                        epochs=1, max_steps=2, seed=seed, output_dir=str(tmp_path / "cmp"),
                        progress=False, plot=False)
   compare_optimizers(config, ["dp_sgd", "dp_adam"], tiny_data)
@@ -162,7 +162,7 @@ def test_compare_gives_every_run_its_own_root_and_keeps_the_seed_out_of_results(
 
 def test_a_seeded_run_writes_no_seed_into_its_public_outputs(tmp_path, tiny_data):
   out = tmp_path / "seeded"
-  train(TrainConfig(model="cnn", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
+  train(TrainConfig(model="mlp", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
                     epochs=1, max_steps=1, seed=123456, output_dir=str(out), progress=False,
                     plot=False), tiny_data)
   public = [out / "results.json", out / "history.csv", *(out / "export").iterdir()]

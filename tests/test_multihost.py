@@ -103,7 +103,7 @@ def _group(name: str, argv_of, cache: Path, logs: Path) -> list[_Job]:
 
 def _train_argv(data: Path, out: Path, *extra: str) -> list[str]:
   return [sys.executable, "-m", "dpmuon_jax.cli", "train", "--dataset", str(data),
-          "--model", "cnn", "--optimizer", "dp_sgd", "--batch-size", "16", "--epochs", "1",
+          "--model", "mlp", "--optimizer", "dp_sgd", "--batch-size", "16", "--epochs", "1",
           "--epsilon", "50", "--noise-multiplier", "1.0", "--seed", "3", "--output-dir", str(out),
           "--no-progress", "--no-plot", *extra]
 

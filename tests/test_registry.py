@@ -184,7 +184,7 @@ def toy():
 def test_a_registered_optimizer_builds_trains_and_is_a_cli_choice(toy, tiny_data, tmp_path):
   assert registry.build(toy, None, RELEASE).query is GRADIENT_QUERY
   assert cli._parser().parse_args(["train", "--optimizer", toy]).optimizer == toy
-  config = TrainConfig(model="cnn", dataset="tiny", optimizer=toy, epsilon=3.0, delta=1e-3,
+  config = TrainConfig(model="mlp", dataset="tiny", optimizer=toy, epsilon=3.0, delta=1e-3,
                        batch_size=16, epochs=2, seed=3, output_dir=str(tmp_path),
                        progress=False, plot=False, max_steps=1)
   assert train(config, tiny_data)["releases"] == 1

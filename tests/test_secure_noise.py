@@ -143,7 +143,7 @@ def test_the_trainer_runs_with_secure_noise_and_certifies_it(tmp_path, tiny_data
   from dpmuon_jax.training.export import load_exported
   from dpmuon_jax.training.trainer import TrainConfig, train
 
-  config = TrainConfig(model="cnn", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
+  config = TrainConfig(model="mlp", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
                        epochs=1, max_steps=2, seed=3, output_dir=str(tmp_path / "run"),
                        progress=False, plot=False, learning_rate=0.1, secure_noise=True)
   results = train(config, tiny_data)

@@ -160,8 +160,8 @@ _TRAINER_SCRIPT = textwrap.dedent(
     from dpmuon_jax.training.trainer import TrainConfig, train
     out = {}
     for devices in (1, 2):
-      cfg = TrainConfig(devices=devices, max_steps=2, seed=1, batch_size=64, epochs=1,
-                        output_dir=f"{out_dir}/d{devices}", progress=False, plot=False)
+      cfg = TrainConfig(model="mlp", devices=devices, max_steps=2, seed=1, batch_size=64,
+                        epochs=1, output_dir=f"{out_dir}/d{devices}", progress=False, plot=False)
       out[devices] = train(cfg)
     print(json.dumps(out))
     """

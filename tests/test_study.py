@@ -252,8 +252,8 @@ def tiny_npz(tmp_path):
 
 def test_study_restarts_where_it_stopped_and_writes_its_report(tiny_npz, tmp_path):
   arm = Arm("dp_sgd", 16, 0.1, epochs=1.0)
-  study = Study("tiny", "test", (arm,), dataset=tiny_npz, validation_size=32, seeds=(1, 2),
-                max_extensions=0, microbatch_size=None)
+  study = Study("tiny", "test", (arm,), dataset=tiny_npz, model="mlp", validation_size=32,
+                seeds=(1, 2), max_extensions=0, microbatch_size=None)
   out = str(tmp_path / "out")
   rows = run_study(study, out, None, workers=1, max_steps=1, max_runs=2)
   assert len(rows) == 2
@@ -274,7 +274,8 @@ def test_study_restarts_where_it_stopped_and_writes_its_report(tiny_npz, tmp_pat
 def test_privately_tuned_arm_runs_one_selection_per_seed(tiny_npz, tmp_path):
   arm = PrivatelyTunedArm("dp_sgd", 16, 0.1, epochs=1.0, mean_runs=1.5, score_std=0.5,
                           label="private_tuning")
-  study = Study("tiny", "test", (arm,), dataset=tiny_npz, validation_size=32, seeds=(3,),
+  study = Study("tiny", "test", (arm,), dataset=tiny_npz, model="mlp", validation_size=32,
+                seeds=(3,),
                 microbatch_size=None)
   assert list(ready_runs(study, [])) and all(math.isnan(lr) for _, lr, _ in ready_runs(study, []))
   out = str(tmp_path / "out")
@@ -288,7 +289,7 @@ def test_report_only_writes_the_report_of_the_runs_so_far_and_trains_nothing(
     tiny_npz, tmp_path, monkeypatch):
   from experiments import sweep
 
-  study = Study("tiny_report", "test", (ARM,), dataset=tiny_npz, validation_size=32,
+  study = Study("tiny_report", "test", (ARM,), dataset=tiny_npz, model="mlp", validation_size=32,
                 seeds=(2,), selection_seed=1)
   monkeypatch.setitem(sweep.STUDIES, study.name, study)
   out = tmp_path / "out"

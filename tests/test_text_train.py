@@ -178,7 +178,9 @@ def test_every_text_config_builds_every_run(tmp_path, name):
     for name in sorted(TEXT_EXPERIMENTS)])
 def test_every_text_config_builds_and_runs_one_release(tmp_path, name):
   exp = TEXT_EXPERIMENTS[name]
-  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR, tiny=True)
+  # In this process: the spawned-process path is pinned by the CLI test below, and a fresh
+  # interpreter per run would only repeat the imports and the small programs' compilation.
+  rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR, tiny=True, own_process=False)
   assert [r["variant"] for r in rows] == [exp.variants[0].label]
   assert rows[0]["releases"] == 1 and 0 < rows[0]["epsilon_spent"] <= rows[0]["target_epsilon"]
   with open(tmp_path / "summary.csv") as f:

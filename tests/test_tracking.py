@@ -60,7 +60,7 @@ def test_cli_train_writes_the_metrics_under_clear_tags(tmp_path, capsys):
 
 
 def _config(tmp_path, **kw) -> TrainConfig:
-  base = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
+  base = dict(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
               batch_size=16, epochs=2, seed=3, output_dir=str(tmp_path / "run"),
               progress=False, plot=False, learning_rate=0.1, eval_every=1)
   return TrainConfig(**{**base, **kw})

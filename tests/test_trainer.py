@@ -14,7 +14,7 @@ from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 
 
 def _config(tmp_path, name, **kw):
-  base = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
+  base = dict(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
               batch_size=16, epochs=2, seed=3, output_dir=str(tmp_path / name),
               progress=False, plot=False, learning_rate=0.1)
   base.update(kw)
@@ -113,7 +113,7 @@ def test_init_weights_of_another_shape_are_refused(tmp_path, tiny_data):
 
   from dpmuon_jax.models.registry import model_and_loss
 
-  other, _ = model_and_loss("cnn", 5, tiny_data.image_shape, seed=0)  # 5 classes, not 3
+  other, _ = model_and_loss("mlp", 5, tiny_data.image_shape, seed=0)  # 5 classes, not 3
   path = tmp_path / "other.msgpack"
   path.write_bytes(serialization.to_bytes(other.params))
   with pytest.raises(TrainingError, match="has shape"):

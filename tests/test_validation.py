@@ -205,7 +205,7 @@ def test_check_messages_name_option_value_and_range():
 )
 def test_train_config_refuses_bad_values_before_any_work(tmp_path, tiny_data, field, value, match):
   out = tmp_path / "run"
-  settings = dict(model="cnn", dataset="tiny", optimizer="dp_sgd", batch_size=16, epochs=2,
+  settings = dict(model="mlp", dataset="tiny", optimizer="dp_sgd", batch_size=16, epochs=2,
                   seed=3, output_dir=str(out), progress=False, plot=False)
   config = TrainConfig(**{**settings, field: value})
   with pytest.raises(TrainingError, match=match) as info:
