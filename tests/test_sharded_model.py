@@ -168,8 +168,8 @@ import json, sys
 from dpmuon_jax.training.trainer import TrainConfig, train
 out = {}
 for name, layout in (("one", {}), ("mesh", {"mesh": "1x2"})):
-  cfg = TrainConfig(max_steps=2, seed=1, batch_size=64, epochs=1, progress=False, plot=False,
-                    output_dir=f"{sys.argv[1]}/{name}", **layout)
+  cfg = TrainConfig(model="mlp", max_steps=2, seed=1, batch_size=64, epochs=1, progress=False,
+                    plot=False, output_dir=f"{sys.argv[1]}/{name}", **layout)
   out[name] = train(cfg)
 print(json.dumps(out))
 """
