@@ -16,7 +16,13 @@ import pytest
 import dpmuon_jax as dm
 from dpmuon_jax.privacy.clipping import flat_clipping, per_layer_clipping
 from dpmuon_jax.privacy.ghost import ghost_clipped_sum
-from dpmuon_jax.privacy.query import ClippedSum, clip_and_sum, clipped_sum, gradient_query
+from dpmuon_jax.privacy.query import (
+  ClippedSum,
+  clip_and_sum,
+  clipped_sum,
+  fingerprint,
+  gradient_query,
+)
 from dpmuon_jax.privacy.release import gaussian_noise_like
 from dpmuon_jax.training.step import make_private_step
 
@@ -162,6 +168,38 @@ def test_a_sum_above_num_examples_times_c_is_refused():
   release.update(two, release.init(params), params)
   with pytest.raises(ValueError, match="num_examples"):
     ClippedSum.assume_clipped({"w": jnp.ones(3)}, C)
+
+
+def _fingerprint_by_its_equation(tree) -> list[int]:
+  """fingerprint's documented equation, one word at a time, in Python integers mod 2³²."""
+  mod, lanes, j = 2**32, [0, 0], 0
+  for leaf_index, leaf in enumerate(jax.tree.leaves(tree)):
+    leaf = np.asarray(leaf)
+    bits = leaf.astype(np.float32 if leaf.dtype.kind == "f" else np.int32).view(np.uint32)
+    for w in bits.ravel().tolist():
+      x = w ^ ((j * 0x9E3779B9 + leaf_index * 0x7F4A7C15) % mod)
+      x ^= x >> 16
+      x = x * 0x85EBCA6B % mod
+      x ^= x >> 13
+      x = x * 0xC2B2AE35 % mod
+      x ^= x >> 16
+      lanes = [(lanes[0] + x) % mod, (lanes[1] + x * (2 * j + 1)) % mod]
+      j += 1
+  return lanes
+
+
+def test_the_seal_fingerprint_follows_its_equation_whatever_the_leaf_sizes():
+  """Leaves of one size are hashed in one pass; the lanes are those of the equation
+  taken leaf by leaf (so moving a value to another leaf of that size changes them)."""
+  rng = np.random.default_rng(0)
+  tree = {"a": rng.standard_normal((2, 3)).astype(np.float32), "b": np.arange(6, dtype=np.int32),
+          "c": rng.standard_normal(6).astype(np.float32), "d": np.float32(-0.5),
+          "e": np.array([True, False]), "f": rng.standard_normal((3, 2)).astype(np.float32)}
+  want = _fingerprint_by_its_equation(tree)
+  assert np.asarray(jax.jit(fingerprint)(tree)).tolist() == want
+  assert np.asarray(fingerprint(tree)).tolist() == want
+  swapped = dict(tree, a=tree["f"].reshape(2, 3), f=tree["a"].reshape(3, 2))
+  assert np.asarray(fingerprint(swapped)).tolist() != want
 
 
 def test_a_grid_sum_is_sealed_too():

@@ -95,6 +95,22 @@ def test_leaves_get_independent_noise():
   assert abs(r) < 5 / np.sqrt(20000)
 
 
+@pytest.mark.parametrize("key", [jax.random.key(5), jax.random.PRNGKey(5)])
+def test_leaves_of_one_shape_get_their_own_keys_draws(key):
+  """Leaf l's noise is std · normal(k_l, shape_l), (k_1, …, k_L) = split(key, L), however
+  the leaves of one shape are batched: the same bits; XLA may round the Gaussian
+  transform of one program differently from another's in the last place (rtol 2⁻²¹)."""
+  tree = {"a": jnp.zeros((4, 3)), "b": jnp.zeros(3), "c": jnp.zeros((4, 3)), "d": jnp.zeros(3),
+          "e": jnp.zeros((2, 2, 2)), "f": jnp.zeros((4, 3))}
+  noise = jax.jit(lambda k: dm.privacy.release.gaussian_noise_like(tree, k, 0.7))(key)
+  keys = jax.random.split(key, 6)
+  for k, (got, leaf) in zip(keys, zip(jax.tree.leaves(noise), jax.tree.leaves(tree)),
+                            strict=True):
+    want = 0.7 * jax.random.normal(k, leaf.shape, jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=2**-21, atol=1e-7)
+  assert not np.allclose(noise["a"], noise["c"]) and not np.allclose(noise["b"], noise["d"])
+
+
 def test_sampling_and_noise_streams_are_independent():
   streams, seeded = split_streams(7)
   assert seeded

@@ -129,10 +129,24 @@ class GaussianReleaseState(NamedTuple):
 
 
 def gaussian_noise_like(tree: PyTree, key: jax.Array, std: float | jax.Array) -> PyTree:
-  """Independent N(0, std²) noise, float32, one fresh sub-key per leaf."""
+  """Independent N(0, std²) noise, float32, one fresh sub-key per leaf.
+
+  Leaf l gets std · normal(k_l, shape_l) with (k_1, …, k_L) = split(key, L).
+  The leaves of one shape are drawn by one call vmapped over their keys: the
+  same bits as one call per leaf, compiled once per shape rather than once per
+  leaf (a deep model has a few shapes and many leaves).
+  """
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, max(len(leaves), 1))
-  noise = [std * jax.random.normal(k, jnp.shape(x), jnp.float32) for k, x in zip(keys, leaves)]
+  by_shape: dict[tuple[int, ...], list[int]] = {}
+  for index, leaf in enumerate(leaves):
+    by_shape.setdefault(tuple(jnp.shape(leaf)), []).append(index)
+  noise: list[Any] = [None] * len(leaves)
+  for shape, indices in by_shape.items():
+    draws = jax.vmap(lambda k, shape=shape: jax.random.normal(k, shape, jnp.float32))(
+        keys[np.asarray(indices)])
+    for index, draw in zip(indices, draws, strict=True):
+      noise[index] = std * draw
   return jax.tree.unflatten(treedef, noise)
 
 
