@@ -288,7 +288,8 @@ _add(
         epsilons=(1.0, 8.0), sampling_rate=256 / E2E_PRIVATE_TRAIN_PAIRS,
         steps=PUBLIC_SLICE_RELEASES, denominator=None, capacity=320, microbatch_size=32,
         public_slice=E2E_PUBLIC_SLICE, rate_grid=(0.5, 1.0, 2.0), eval_every=50,
-        weights="runs/pretrained_public_slice, made by `python -m experiments.pretrain_public "
+        weights="experiments/results/e2e_public_slice/start (committed), the output of "
+        "`python -m experiments.pretrain_public "
         "--data-dir TEXT_DATA --out runs/pretrained_public_slice --e2e-public-slice 5 --dim 64 "
         "--layers 2 --heads 2 --vocab-size 4096 --steps 3000 --batch-size 32 "
         "--learning-rate 0.002 --warmup 200 --seed 0`",

@@ -4,7 +4,7 @@
     python -m experiments.text_sweep e2e_pretrained_cpu --data-dir TEXT_DATA \\
         --gpt2-dir runs/pretrained_dart                                             # CPU
     python -m experiments.text_sweep e2e_public_slice --data-dir TEXT_DATA \\
-        --gpt2-dir runs/pretrained_public_slice                                     # CPU
+        --gpt2-dir experiments/results/e2e_public_slice/start                       # CPU
     python -m experiments.text_sweep paper2_table2_e2e --data-dir TEXT_DATA --gpt2-dir HF_GPT2
     python -m experiments.text_sweep paper2_table2_e2e --data-dir TEXT_DATA --tiny  # CI
     python -m experiments.text_sweep e2e_pretrained_cpu --data-dir TEXT_DATA --measure \\
@@ -626,7 +626,8 @@ def _slug(label: str) -> str:
 
 def zero_shot(exp: TextExperiment, data_dir: str, gpt2_dir: str, out: str) -> dict:
   """The checkpoint's own scores before any release, as the runs are scored; cached in
-  ``out/zero_shot.json`` (with the checkpoint's own ``results.json`` value, if any)."""
+  ``out/zero_shot.json`` with the sha256 of its weights (and the checkpoint's own
+  ``results.json`` value, if any)."""
   path = os.path.join(out, "zero_shot.json")
   if os.path.exists(path):
     with open(path) as f:
@@ -647,12 +648,11 @@ def zero_shot(exp: TextExperiment, data_dir: str, gpt2_dir: str, out: str) -> di
                                          config)
                       for split in exp.generate_splits}
   record["decode_seconds"] = time.perf_counter() - started - record["valid_nll_seconds"]
+  record["checkpoint_sha256"] = {WEIGHTS_FILE: sha256_file(os.path.join(gpt2_dir, WEIGHTS_FILE))}
   checkpoint = os.path.join(gpt2_dir, "results.json")
   if os.path.exists(checkpoint):
     with open(checkpoint) as f:
-      saved = json.load(f)
-    record["checkpoint_valid_nll"] = saved.get("e2e_valid_zero_shot_nll")
-    record["checkpoint_sha256"] = saved.get("sha256")
+      record["checkpoint_valid_nll"] = json.load(f).get("e2e_valid_zero_shot_nll")
   with open(path, "w") as f:
     json.dump(record, f, indent=2, default=float)
   return record
@@ -661,9 +661,10 @@ def zero_shot(exp: TextExperiment, data_dir: str, gpt2_dir: str, out: str) -> di
 def check_same_checkpoint(record: dict, gpt2_dir: str, out: str) -> None:
   """Refuses to add runs fine-tuned from another checkpoint than the recorded runs'.
 
-  ``zero_shot.json`` keeps the sha256 the checkpoint's builder recorded; a
-  rebuilt checkpoint (``experiments.pretrain_public`` with its fixed seed) must
-  hash the same, or its runs would be mixed with the old ones in one table.
+  ``zero_shot.json`` keeps the sha256 of the weights the zero-shot scores (and
+  so the runs) loaded; a rebuilt checkpoint (``experiments.pretrain_public``
+  with its fixed seed) must hash the same, or its runs would be mixed with the
+  old ones in one table.
   """
   recorded = (record.get("checkpoint_sha256") or {}).get(WEIGHTS_FILE)
   if recorded is None:

@@ -330,15 +330,15 @@ def test_an_older_runs_file_gains_the_new_columns(tmp_path, monkeypatch):
 
 @needs_text_data
 def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, monkeypatch):
-  """zero_shot.json: the checkpoint's validation NLL and scores before any release."""
+  """zero_shot.json: the checkpoint's validation NLL and scores before any release, and
+  the sha256 of the weights it loaded (a checkpoint need not record its own)."""
   checkpoint = str(tmp_path / "checkpoint")
   config = _tiny_config(tmp_path)
   apply, params, gpt2_config, _ = load_model(config, 512)
   save_hf_gpt2(params, gpt2_config, checkpoint)
   weights = os.path.join(checkpoint, "model.safetensors")
-  with open(os.path.join(checkpoint, "results.json"), "w") as f:
-    json.dump({"e2e_valid_zero_shot_nll": 6.25,
-               "sha256": {"model.safetensors": sha256_file(weights)}}, f)
+  with open(os.path.join(checkpoint, "results.json"), "w") as f:  # no sha256 of its own
+    json.dump({"e2e_valid_zero_shot_nll": 6.25}, f)
   exp = dataclasses.replace(
       TEXT_EXPERIMENTS["e2e_pretrained_cpu"], variants=(Variant("A", "dp_muon"),),
       epsilons=(8.0,), seeds=(37,), vocab_size=512, eval_pairs=16, generate_groups=2,
@@ -352,6 +352,7 @@ def test_pretrained_sweep_records_the_checkpoint_before_fine_tuning(tmp_path, mo
   expected = mean_token_nll(apply, params, encode_pairs(tokenizer, valid, exp.max_length), 64)
   assert record["valid_nll"] == pytest.approx(expected, rel=1e-6)
   assert record["checkpoint_valid_nll"] == 6.25 and record["scores"]["test"]["groups"] == 2
+  assert record["checkpoint_sha256"] == {"model.safetensors": sha256_file(weights)}
   with open(tmp_path / "out" / "summary.csv") as f:
     zero = list(csv.DictReader(f))[-1]  # the start's own row, after the runs'
   assert zero["variant"] == "zero-shot start" and zero["releases"] == "0"
