@@ -13,6 +13,7 @@ from stats import std_interval
 
 import dpmuon_jax as dm
 from dpmuon_jax.privacy.keys import split_streams
+from dpmuon_jax.privacy.release import gaussian_noise_like
 
 SIGMA, C, D = 1.3, 0.7, 16.0
 
@@ -102,7 +103,7 @@ def test_leaves_of_one_shape_get_their_own_keys_draws(key):
   transform of one program differently from another's in the last place (rtol 2⁻²¹)."""
   tree = {"a": jnp.zeros((4, 3)), "b": jnp.zeros(3), "c": jnp.zeros((4, 3)), "d": jnp.zeros(3),
           "e": jnp.zeros((2, 2, 2)), "f": jnp.zeros((4, 3))}
-  noise = jax.jit(lambda k: dm.privacy.release.gaussian_noise_like(tree, k, 0.7))(key)
+  noise = jax.jit(lambda k: gaussian_noise_like(tree, k, 0.7))(key)
   keys = jax.random.split(key, 6)
   for k, (got, leaf) in zip(keys, zip(jax.tree.leaves(noise), jax.tree.leaves(tree)),
                             strict=True):

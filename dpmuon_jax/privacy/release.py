@@ -18,6 +18,7 @@ Every optimizer of this library is post-processing of G̃_t.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -143,10 +144,10 @@ def gaussian_noise_like(tree: PyTree, key: jax.Array, std: float | jax.Array) ->
     by_shape.setdefault(tuple(jnp.shape(leaf)), []).append(index)
   noise: list[Any] = [None] * len(leaves)
   for shape, indices in by_shape.items():
-    draws = jax.vmap(lambda k, shape=shape: jax.random.normal(k, shape, jnp.float32))(
-        keys[np.asarray(indices)])
+    draw_one = functools.partial(jax.random.normal, shape=shape, dtype=jnp.float32)
+    draws = std * jax.vmap(draw_one)(keys[np.asarray(indices)])
     for index, draw in zip(indices, draws, strict=True):
-      noise[index] = std * draw
+      noise[index] = draw
   return jax.tree.unflatten(treedef, noise)
 
 
