@@ -104,6 +104,7 @@ PILOT_FIELDS = (
     "train_seconds", "run_seconds", "steady_peak_rss_gib", "train_cpu_seconds",
 )
 _TEXT_FIELDS = ("variant", "optimizer", "clipped_sum_method", "pretrained", "grid", "on_edge")
+_INT_FIELDS = ("seed", "pilot_seed", "pilot_releases")
 
 
 def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int, out: str,
@@ -217,8 +218,9 @@ def _parse(row: dict, fields: tuple[str, ...] = RUN_FIELDS) -> dict:
   for name in fields:
     value = row.get(name, "")
     out[name] = value if name in _TEXT_FIELDS or value == "" else float(value)
-  if "seed" in out:
-    out["seed"] = int(out["seed"])
+  for name in _INT_FIELDS:  # written as integers: read back as integers, so rewrites keep them
+    if out.get(name, "") != "":
+      out[name] = int(out[name])
   return out
 
 
