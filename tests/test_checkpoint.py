@@ -95,6 +95,21 @@ def test_manifest_does_not_confuse_orbax_and_restores_round_trip(two_steps):
   np.testing.assert_array_equal(secret[0]["noise_key"], np.asarray(NOISE_KEY))
 
 
+def test_zero_size_state_leaves_round_trip(tmp_path):
+  """An inner-momentum group that keeps no history has (0, ...)-shaped states: orbax saves no
+  array of size 0, so they are left out and restored from the template, shape and dtype kept."""
+  params = {"w": jnp.arange(4.0).reshape(2, 2)}
+  opt_state = {"states": {"w": jnp.zeros((0, 2, 2), jnp.bfloat16)}, "mu": jnp.ones((2, 2))}
+  directory = str(tmp_path / "checkpoints")
+  save_checkpoint(directory, TrainingCheckpoint(params, opt_state, 3, {}))
+  like = TrainingCheckpoint(params, {"states": {"w": jnp.zeros((0, 2, 2), jnp.bfloat16)},
+                                     "mu": jnp.zeros((2, 2))}, 0, {})
+  got = restore_checkpoint(directory, like)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got.opt_state, opt_state)
+  chex.assert_trees_all_equal(got.opt_state, opt_state)
+  chex.assert_trees_all_equal(got.params, params)
+
+
 def _largest_file(directory, step):
   files = [f for f in _files(os.path.join(directory, str(step)))
            if not f.endswith(MANIFEST_NAME)]

@@ -187,6 +187,20 @@ def _report(skipped: list[tuple[int, str]], used: int) -> None:
     print(_skipped_line(skipped, used), file=sys.stderr)
 
 
+def _without_empty(tree: PyTree) -> PyTree:
+  """Zero-size leaves as ``None``: orbax saves no array of size 0, and they hold nothing
+  (e.g. the states of an inner-momentum group that keeps no history)."""
+  return jax.tree.map(lambda x: None if np.size(x) == 0 else x, tree)
+
+
+def _with_empty(like: PyTree, restored: PyTree) -> PyTree:
+  """``restored`` (from :func:`_without_empty`) with ``like``'s zero-size leaves put back."""
+  leaves, treedef = jax.tree.flatten(like)
+  got = jax.tree.leaves(restored, is_leaf=lambda x: x is None)
+  return jax.tree.unflatten(treedef, [want if np.size(want) == 0 else have
+                                      for want, have in zip(leaves, got, strict=True)])
+
+
 def save_checkpoint(directory: str, ckpt: TrainingCheckpoint) -> None:
   """Writes ``ckpt`` atomically and owner-only as step ``ckpt.step`` under ``directory``.
 
@@ -196,7 +210,7 @@ def save_checkpoint(directory: str, ckpt: TrainingCheckpoint) -> None:
   must be replicated, and is saved from this process's host copy.
   """
   directory = make_private_dir(directory)
-  state = {"params": ckpt.params, "opt_state": ckpt.opt_state}
+  state = _without_empty({"params": ckpt.params, "opt_state": ckpt.opt_state})
   if jax.process_count() > 1:
     state = jax.tree.map(np.asarray, state)
   with private_umask():
@@ -285,9 +299,8 @@ def restore_checkpoint(
     FileNotFoundError: if ``directory`` holds no checkpoint.
     DamagedCheckpointError: if the given step, or every step, is damaged.
   """
-  abstract = jax.tree.map(
-      ocp.utils.to_shape_dtype_struct, {"params": like.params, "opt_state": like.opt_state}
-  )
+  template = {"params": like.params, "opt_state": like.opt_state}
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _without_empty(template))
 
   def read(s: int) -> dict:
     with _manager(directory) as manager:
@@ -299,7 +312,7 @@ def restore_checkpoint(
       )
 
   step, restored = _restore(directory, step, read)
-  state = restored["state"]
+  state = _with_empty(template, restored["state"])
   return TrainingCheckpoint(state["params"], state["opt_state"], int(step), restored["metadata"])
 
 
