@@ -1,8 +1,11 @@
-"""The ``dpmuon`` command: ``train``, ``tune``, ``compare``, ``export``, ``account``, ``audit``.
+"""The ``dpmuon`` command: ``train``, ``train-lm``, ``tune``, ``compare``, ``export``,
+``account``, ``audit``.
 
     dpmuon train                       # DP-Muon on the embedded digits data, ε = 4
     dpmuon train --dataset cifar10.npz --model cnn --optimizer dp_muon \\
         --epsilon 4 --batch-size 1024 --epochs 5 --seed 42
+    dpmuon train-lm --data-dir TEXT_DATA --model gpt2_cpu --optimizer dp_muon_im \\
+        --epsilon 8 --steps 400 --sampling-rate 0.008 --denominator none
     dpmuon export runs/dpmuon          # public params + privacy certificate, no secrets
     dpmuon export runs/dpmuon --out model/
     dpmuon account --epsilon 4 --delta 1e-5 --sampling-rate 0.02 --steps 2500
@@ -64,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   _add_train(sub)
   _add_distributed(sub.choices["train"])
+  _add_train_lm(sub)
+  _add_distributed(sub.choices["train-lm"])
   _add_export(sub)
   sub.add_parser(
       "audit",
@@ -177,6 +182,50 @@ def _add_train_outputs(train) -> None:
                      help="do not draw curves.png (no matplotlib needed)")
 
 
+def _optional(parse):
+  """``parse``, with ``none`` for None (e.g. ``--denominator none``: qN)."""
+  return lambda text: None if text.lower() == "none" else parse(text)
+
+
+def _lm_flag_type(hint: str):
+  """How ``dpmuon train-lm`` parses an LMTrainConfig field of type annotation ``hint``."""
+  base = hint.replace(" | None", "")
+  parse = {"int": int, "float": float, "str": str, "dict": json.loads,
+           "tuple[str, ...]": lambda text: tuple(t for t in text.split(",") if t),
+           "tuple[int, ...]": lambda text: tuple(int(t) for t in text.split(",") if t)}[base]
+  return _optional(parse) if hint.endswith("| None") else parse
+
+
+def _add_train_lm(sub) -> None:
+  """``dpmuon train-lm``: one flag per field of :class:`~dpmuon_jax.text.train.LMTrainConfig`."""
+  import dataclasses
+
+  from dpmuon_jax.text.train import FLAG_HELP, LMTrainConfig
+
+  train_lm = sub.add_parser(
+      "train-lm", allow_abbrev=False,
+      help="fine-tune or train GPT-2 privately on E2E or DART (paper 2)",
+      description="Private table-to-text training of GPT-2 with the image trainer's rules "
+      "(checkpoints, release journal, --resume, several processes). Each flag is the "
+      "LMTrainConfig field of the same name (dpmuon_jax.text.train); lists are "
+      "comma-separated, dicts JSON, and 'none' clears an optional value.",
+      formatter_class=HelpFormatter)
+  for field in dataclasses.fields(LMTrainConfig):
+    flag, hint = "--" + field.name.replace("_", "-"), str(field.type)
+    if field.default_factory is not dataclasses.MISSING:
+      default = field.default_factory()
+    else:
+      default = field.default
+    help = FLAG_HELP[field.name]
+    if default is dataclasses.MISSING:
+      train_lm.add_argument(flag, type=_lm_flag_type(hint), required=True, help=help)
+    elif hint == "bool":
+      train_lm.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                            help=help)
+    else:
+      train_lm.add_argument(flag, type=_lm_flag_type(hint), default=default, help=help)
+
+
 _DISTRIBUTED = ("coordinator_address", "num_processes", "process_id", "distributed",
                 "cpu_collectives")
 
@@ -265,6 +314,37 @@ def _train(args: argparse.Namespace) -> int:
       f"after {results['releases']} releases (σ = {results['noise_multiplier']:.4f}, "
       f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json, "
       f"the publishable model and its privacy certificate in "
+      f"{os.path.join(args.output_dir, results['export'])}/",
+      flush=True,
+  )
+  return 0
+
+
+def _train_lm(args: argparse.Namespace) -> int:
+  from dpmuon_jax.distributed.multihost import initialize
+
+  # Before any other JAX use: join the process group (nothing without the flags).
+  initialize(args.coordinator_address, args.num_processes, args.process_id,
+             cpu_collectives=args.cpu_collectives, autodetect=args.distributed)
+  from dpmuon_jax.text.train import LMTrainConfig, train_lm
+  from dpmuon_jax.training.driver import recorded_config
+
+  fields = {k: v for k, v in vars(args).items() if k not in ("command", "given", *_DISTRIBUTED)}
+  if args.resume:  # the run's own settings, unless the command line states them anew
+    recorded = recorded_config(args.output_dir) or {}
+    fields = {**fields, **{k: tuple(v) if isinstance(v, list) else v
+                           for k, v in recorded.items() if k not in args.given}}
+  probe = None
+  if fields["diagnostic_steps"]:
+    from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe
+
+    probe = InnerMomentumProbe()
+  results = train_lm(LMTrainConfig(**fields), probe=probe)
+  print(
+      f"validation NLL {results['valid_nll']:.4f}; ε = {results['epsilon_spent']:.3f} at "
+      f"δ = {results['delta']:g} after {results['releases']} releases "
+      f"(σ = {results['noise_multiplier']:.4f}, q = {results['sampling_rate']:.5f}); results in "
+      f"{args.output_dir}/results.json, the publishable model and its privacy certificate in "
       f"{os.path.join(args.output_dir, results['export'])}/",
       flush=True,
   )
@@ -551,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
   args.given = _given_options(parser, argv)
   try:
     _check_numbers(args)
-    commands = {"train": _train, "export": _export, "account": _account, "tune": _tune,
-                "compare": _compare}
+    commands = {"train": _train, "train-lm": _train_lm, "export": _export,
+                "account": _account, "tune": _tune, "compare": _compare}
     return commands[args.command](args)
   except (ValueError, OSError, KeyError) as error:
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

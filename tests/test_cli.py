@@ -48,7 +48,8 @@ def _subcommand_parsers():
   return top, {**sub.choices, "audit": audit_parser("dpmuon audit")}
 
 
-@pytest.mark.parametrize("command", ["train", "account", "audit", "tune", "compare"])
+@pytest.mark.parametrize("command", [
+    "train", "train-lm", "account", "audit", "tune", "compare"])
 def test_every_option_has_help_and_its_default_is_shown_once(command):
   _, parsers = _subcommand_parsers()
   parser = parsers[command]

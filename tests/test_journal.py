@@ -445,7 +445,7 @@ def test_a_run_stopped_after_its_final_checkpoint_finishes_its_outputs(tmp_path,
 
 _KILLED_BEFORE_OUTPUTS = """
 import os, signal, sys
-import dpmuon_jax.training.trainer as trainer
+import dpmuon_jax.training.driver as driver
 from dpmuon_jax.cli import main
 
 
@@ -453,7 +453,7 @@ def killed(*args, **kwargs):  # after the final checkpoint, before export/ and r
   os.kill(os.getpid(), signal.SIGKILL)
 
 
-trainer.export_run = killed
+driver.export_run = killed
 main(sys.argv[1:])
 """
 

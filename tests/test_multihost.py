@@ -12,93 +12,23 @@ run at once and share a compilation cache.
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from devices import host_devices_env
+from process_group import DEVICES_PER_PROCESS, PROCESSES, Job, group, job_env, leaves, wait
 from stats import std_interval
 
 from dpmuon_jax.distributed import multihost
 
 HERE = Path(__file__).resolve().parent
 STEP_SCRIPT = HERE / "multihost_step.py"
-PROCESSES, DEVICES_PER_PROCESS = 2, 4
-TIMEOUT_S = 420
+
 # multihost_step.py's constants.
 SIGMA, CLIP, DENOMINATOR, NOISE_DIM = 1.3, 1.0, 25.6, 16384
 TOLERANCE = 1e-5
-# jax.distributed's coordinator (process 0) can abort in gRPC's server destructor at interpreter
-# exit, after its run finished and wrote everything: an upstream teardown race, seen once in CI
-# in ~20 runs. Such a job counts as finished only if it aborted there AND printed its last line.
-TEARDOWN_ABORT = "grpc_core::Server::~Server"
-FINISHED_LINE = {"train": "results in ", "step": "wrote "}
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env(devices: int, cache: Path) -> dict:
-  return host_devices_env(
-      devices, TF_CPP_MIN_LOG_LEVEL="3",
-      JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-  )
-
-
-class _Job:
-  """One started process, its output in a log file."""
-
-  def __init__(self, name: str, argv: list[str], env: dict, logs: Path):
-    self.name, self.log = name, logs / f"{name}.log"
-    with open(self.log, "w") as out:
-      self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   cwd=HERE.parent)
-
-  def text(self) -> str:
-    return self.log.read_text(errors="replace")
-
-  def succeeded(self) -> bool:
-    """Exit 0, or the upstream teardown abort after the job's finishing line."""
-    if self.proc.returncode == 0:
-      return True
-    finished = FINISHED_LINE["train" if self.name.startswith("train") else "step"]
-    text = self.text()
-    return (self.proc.returncode == -signal.SIGABRT and TEARDOWN_ABORT in text
-            and finished in text.split(TEARDOWN_ABORT)[0])
-
-
-def _wait(jobs: list[_Job], timeout: float = TIMEOUT_S) -> None:
-  """Waits for all; if one fails or time runs out, ends the others and reports."""
-  deadline = time.monotonic() + timeout
-  while any(job.proc.poll() is None for job in jobs):
-    failed = [job for job in jobs if job.proc.poll() is not None and not job.succeeded()]
-    if failed or time.monotonic() > deadline:
-      for job in jobs:
-        if job.proc.poll() is None:
-          job.proc.kill()
-          job.proc.wait()
-      culprit = failed[0] if failed else jobs[0]
-      why = "failed" if failed else f"timed out after {timeout:.0f} s"
-      pytest.fail(f"{culprit.name} {why}:\n{culprit.text()[-3000:]}")
-    time.sleep(0.2)
-  for job in jobs:
-    assert job.succeeded(), f"{job.name}:\n{job.text()[-3000:]}"
-
-
-def _group(name: str, argv_of, cache: Path, logs: Path) -> list[_Job]:
-  """PROCESSES processes of one group; ``argv_of(coordinator, process_id)``."""
-  coordinator = f"127.0.0.1:{_free_port()}"
-  env = _env(DEVICES_PER_PROCESS, cache)
-  return [_Job(f"{name}{i}", argv_of(coordinator, i), env, logs) for i in range(PROCESSES)]
 
 
 def _train_argv(data: Path, out: Path, *extra: str) -> list[str]:
@@ -128,23 +58,23 @@ def runs(tmp_path_factory):
   data = _tiny_npz(tmp / "tiny.npz")
   group_dir, reference_dir = tmp / "group", tmp / "reference"
   started = time.monotonic()
-  phase1 = _group("step_group", lambda c, i: [
+  phase1 = group("step_group", lambda c, i: [
       sys.executable, str(STEP_SCRIPT), str(tmp / f"step_{i}.json"), c, str(PROCESSES), str(i)],
       cache, logs)
-  phase1.append(_Job("step_single", [sys.executable, str(STEP_SCRIPT), str(tmp / "single.json")],
-                     _env(PROCESSES * DEVICES_PER_PROCESS, cache), logs))
+  phase1.append(Job("step_single", [sys.executable, str(STEP_SCRIPT), str(tmp / "single.json")],
+                     job_env(PROCESSES * DEVICES_PER_PROCESS, cache), logs))
   distributed = lambda c, i: [  # noqa: E731
       "--coordinator-address", c, "--num-processes", str(PROCESSES), "--process-id", str(i),
       "--cpu-collectives", "gloo"]
-  _wait(phase1)
-  phase2 = _group("train_group", lambda c, i: _train_argv(
+  wait(phase1)
+  phase2 = group("train_group", lambda c, i: _train_argv(
       data, group_dir, "--max-steps", "2", *distributed(c, i)), cache, logs)
-  phase2.append(_Job("train_reference", _train_argv(data, reference_dir, "--max-steps", "3"),
-                     _env(1, cache), logs))
-  _wait(phase2)
-  phase3 = _group("train_resume", lambda c, i: _train_argv(
+  phase2.append(Job("train_reference", _train_argv(data, reference_dir, "--max-steps", "3"),
+                     job_env(1, cache), logs))
+  wait(phase2)
+  phase3 = group("train_resume", lambda c, i: _train_argv(
       data, group_dir, "--max-steps", "3", "--resume", *distributed(c, i)), cache, logs)
-  _wait(phase3)
+  wait(phase3)
   print(f"multihost launches took {time.monotonic() - started:.1f} s")
   step = [json.loads((tmp / f"step_{i}.json").read_text()) for i in range(PROCESSES)]
   return {"step": step, "single": json.loads((tmp / "single.json").read_text()),
@@ -243,7 +173,7 @@ def test_processes_share_the_root_and_refuse_to_differ(runs):
   assert not runs["single"]["guards"]["difference_caught"]  # alone, nothing can differ
 
 
-def test_files_are_written_once_and_resume_works_across_the_group(runs):
+def test_files_are_written_once_and_resume_works_across_thegroup(runs):
   from dpmuon_jax.training.checkpoint import MANIFEST_NAME, latest_good_step
   from dpmuon_jax.training.export import load_exported
   from dpmuon_jax.training.journal import read_journal
@@ -262,17 +192,9 @@ def test_files_are_written_once_and_resume_works_across_the_group(runs):
     assert "after 3 releases" in log and f"ε = {results['epsilon_spent']:.3f}" in log
   resumed = load_exported(str(group / "export")).params
   alone = load_exported(str(reference / "export")).params
-  flat = lambda tree: {k: v for k, v in _leaves(tree)}  # noqa: E731
+  flat = lambda tree: {k: v for k, v in leaves(tree)}  # noqa: E731
   assert flat(resumed).keys() == flat(alone).keys()
   assert _params_problem([flat(resumed)], flat(alone)) is None
-
-
-def _leaves(tree, prefix=""):
-  if isinstance(tree, dict):
-    for key, value in tree.items():
-      yield from _leaves(value, f"{prefix}/{key}")
-  else:
-    yield prefix, np.asarray(tree)
 
 
 # --------------------------------------------------------------- in-process, no group

@@ -217,5 +217,5 @@ def test_train_lm_on_a_model_mesh_matches_one_device(tmp_path):
   results = json.loads(proc.stdout.strip().splitlines()[-1])
   assert results["one"]["releases"] == results["mesh"]["releases"] == 2
   assert results["mesh"]["nll"] == pytest.approx(results["one"]["nll"], rel=1e-5)
-  assert results["refused"].startswith("The mesh 3x1 needs positive axis sizes whose product is "
-                                       "the 2 devices")
+  assert results["refused"].startswith("--mesh: The mesh 3x1 needs positive axis sizes whose "
+                                       "product is the 2 devices")

@@ -9,6 +9,12 @@ qN), then the optimizer's post-processing with the ``paper2`` routing
 
     q = 1/41, T = 410 (E2E) · q = 1/61, T = 610 (DART) · C = 1 · σ = calibrate(ε, δ, q, T)
 
+A run is the GPT-2 task (:class:`LMTask`) of the one trainer
+(:mod:`dpmuon_jax.training.driver`): it keeps SECRET checkpoints and a
+release journal in ``output_dir``, resumes, exports its parameters with their
+privacy certificate, and runs over several devices or processes with the
+image trainer's rules. ``dpmuon train-lm`` runs it from the command line.
+
 Validation NLL in nats per target token is measured every ``eval_every``
 releases and at the end; at the end the model decodes each evaluation
 source (greedy or beam, with a length cap) and is scored with BLEU and
@@ -40,31 +46,24 @@ import json
 import os
 import resource
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from dpmuon_jax import checks
-from dpmuon_jax.distributed.mesh import DATA_AXIS, shard_batch, sharded_capacity
-from dpmuon_jax.distributed.sharding import (
-    model_mesh,
-    model_size,
-    param_specs,
-    parse_mesh_shape,
-    shard_train_state,
-)
+from dpmuon_jax.distributed.mesh import shard_batch, sharded_capacity
+from dpmuon_jax.distributed.sharding import parse_mesh_shape
 from dpmuon_jax.models.taps import tapped
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.optimizers.options import Fallback
 from dpmuon_jax.privacy.accounting import RDP
 from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
-from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
@@ -88,10 +87,10 @@ from dpmuon_jax.text.gpt2 import (
 from dpmuon_jax.text.hf_weights import load_hf_gpt2
 from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
-from dpmuon_jax.training.loop import Hooks, LoopState, run_releases
+from dpmuon_jax.training.driver import Run, run_task
+from dpmuon_jax.training.loop import LoopState
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import make_private_step
-from dpmuon_jax.training.tracking import history_tags, tensorboard_writer
 from dpmuon_jax.transforms.history import ordered_history
 
 PyTree = Any
@@ -112,8 +111,8 @@ class DiagnosticProbe(Protocol):
     [θ_{t−1}, θ_{t−2}, …] (most recent first) from the optimizer state."""
     ...
 
-  def summary(self, rows: Sequence[NamedTuple]) -> dict:
-    """The JSON-able ``results["nonprivate_diagnostics"]`` of all the rows."""
+  def summary(self, rows: Sequence[Any]) -> dict:
+    """The JSON-able ``results["nonprivate_diagnostics"]`` of all the rows (its own kind)."""
     ...
 
 
@@ -160,7 +159,13 @@ class LMTrainConfig:
     mesh: ``"DATAxMODEL"`` (e.g. ``"2x4"``), a mesh over all devices of this
       process: rows split over data, each matrix and its optimizer state
       split over model (:mod:`dpmuon_jax.distributed.sharding`); ``None``:
-      one device.
+      one device, or the data-parallel mesh of ``devices``.
+    devices, resume, max_steps, checkpoint_every, log_clip_stats, progress,
+      plot: as for the image trainer (:class:`~dpmuon_jax.training.trainer.TrainConfig`):
+      the run keeps SECRET checkpoints and a release journal in
+      ``output_dir`` and resumes from them; with several processes
+      (:mod:`dpmuon_jax.distributed.multihost`) the data mesh spans every
+      device of every process.
   """
 
   data_dir: str
@@ -202,13 +207,72 @@ class LMTrainConfig:
   diagnostic_examples: int = 32
   log_dir: str | None = None  # TensorBoard event files (the tensorboard extra); None: none
   mesh: str | None = None  # "DATAxMODEL" over all devices; None: one device
+  devices: int | None = None  # data-parallel devices; None or 1: one (all, with several processes)
+  resume: bool = False
+  max_steps: int | None = None  # stop early (e.g. smoke tests); the ledger stays exact
+  checkpoint_every: int | None = None  # releases; None: once per epoch (round(1/q))
+  log_clip_stats: bool = False
+  progress: bool = False
+  plot: bool = False
+
+
+FLAG_HELP = {
+    "data_dir": "folder with e2e/, dart/ and gpt2/ (text.data's layout)",
+    "dataset": "e2e or dart",
+    "output_dir": "the run's folder: results.json, history.csv, export/ (public), and the "
+                  "secret checkpoints and release journal",
+    "tokenizer_dir": "GPT-2's vocab.json and merges.txt (default: DATA_DIR/gpt2)",
+    "init_weights": "a local Hugging Face GPT-2 folder to fine-tune (default: from scratch)",
+    "model": f"from-scratch shape: {', '.join(MODEL_PRESETS)}",
+    "model_overrides": "GPT2Config fields over the shape, as JSON",
+    "vocab_size": "keep GPT-2's first V BPE tokens (from scratch; default: all)",
+    "max_length": "tokens per source || target pair",
+    "optimizer": "a name with a GPT-2 preset (dp_muon_im, dp_muon, dp_muon_bc, ...)",
+    "optimizer_kwargs": "keyword arguments of the optimizer, as JSON (e.g. history, decay)",
+    "learning_rate": "Muon group's constant rate",
+    "fallback_learning_rate": "AdamW group's constant rate (embeddings, head, 1-D leaves)",
+    "epsilon": "target ε of the whole run",
+    "delta": "target δ",
+    "sampling_rate": "Poisson sampling rate q",
+    "steps": "T, the number of releases σ is calibrated for",
+    "denominator": "public denominator D of the release ('none': qN)",
+    "clip": "per-example L2 clipping norm C",
+    "accountant": "rdp or pld",
+    "seed": "makes noise and sampling reproducible (recorded as seeded); default: OS entropy",
+    "model_seed": "public initialisation seed (from scratch)",
+    "microbatch_size": "accumulate the clipped sum in chunks of this many rows",
+    "clipped_sum_method": "vmap, ghost or automatic",
+    "train_split": "the split trained on",
+    "train_subset": "train on the first n pairs only (N is then n)",
+    "public_slice": "E2E: drop the public restaurants (hash of the name mod this) everywhere",
+    "capacity": "rows of each padded Poisson batch (default: mean + 6 sd)",
+    "eval_every": "validation NLL every this many releases (default: at the end)",
+    "eval_pairs": "validation pairs scored (default: all)",
+    "eval_batch_size": "pairs per validation batch",
+    "generate_splits": "splits decoded and scored at the end, comma-separated ('' for none)",
+    "generate_groups": "sources decoded per split (default: all)",
+    "beam_size": "1: greedy decoding",
+    "max_new_tokens": "decoding length cap",
+    "diagnostic_steps": "NON-PRIVATE polar-error / clipping-residual probe at these releases",
+    "diagnostic_examples": "training pairs of the probe batch",
+    "log_dir": "also write TensorBoard event files here (the tensorboard extra)",
+    "mesh": "DATAxMODEL over all devices of one process: matrices split over model",
+    "devices": "data-parallel over this many devices (several processes: all of them)",
+    "resume": "continue (or finish) the run in --output-dir with its recorded settings",
+    "max_steps": "stop after this many releases (smoke runs); the ledger stays exact",
+    "checkpoint_every": "releases between checkpoints (default: one epoch, round(1/q))",
+    "log_clip_stats": "log clip fraction and gradient norms (NON-private statistics)",
+    "progress": "show a progress bar",
+    "plot": "draw curves.png (matplotlib)",
+}
+"""One line of ``dpmuon train-lm --help`` per :class:`LMTrainConfig` field."""
 
 
 _POSITIVE_INTS = ("steps", "max_length", "eval_batch_size", "beam_size", "max_new_tokens",
                   "diagnostic_examples")
 _OPTIONAL_POSITIVE_INTS = ("vocab_size", "microbatch_size", "train_subset", "public_slice",
-                           "capacity",
-                           "eval_every", "eval_pairs", "generate_groups")
+                           "capacity", "eval_every", "eval_pairs", "generate_groups", "devices",
+                           "max_steps", "checkpoint_every")
 
 
 def validate_config(config: LMTrainConfig) -> None:
@@ -280,7 +344,7 @@ def peak_memory() -> dict[str, float]:
   each run in a process of its own (``experiments.text_sweep`` does).
   """
   out = {"peak_rss_gib": peak_rss_gib()}
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     out["peak_device_gib"] = stats["peak_bytes_in_use"] / 2**30
   return out
@@ -381,15 +445,6 @@ def _load_lm_data(config: LMTrainConfig) -> _LMData:
   )
 
 
-def lm_mesh(config: LMTrainConfig, params: PyTree) -> Mesh | None:
-  """``config.mesh`` over all devices, after checking that its 'model' axis splits ``params``."""
-  if config.mesh is None:
-    return None
-  mesh = model_mesh(*parse_mesh_shape(config.mesh))
-  param_specs(params, model_size(mesh))  # a leaf it cannot split: one line naming it
-  return mesh
-
-
 def _lm_setup(config: LMTrainConfig, n: int, root, rows_devices: int = 1) -> PrivateSetup:
   """Sampler (q over the N training pairs), σ for (ε, δ, T), release and ledger."""
   return make_private(
@@ -423,16 +478,6 @@ def _chunks_of(train_arrays: dict, mesh: Mesh | None = None) -> Callable:
   return lambda padded, _: [shard_batch(mesh, gather(train_arrays, c), c.mask) for c in padded]
 
 
-def _lm_step(config: LMTrainConfig, optimizer, loss_fn, params, mesh: Mesh | None):
-  """The jitted private step and the initial ``(params, opt_state)``, placed on the mesh."""
-  step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
-                              clipped_sum_method=config.clipped_sum_method, mesh=mesh)
-  opt_state = optimizer.init(params)
-  if mesh is not None:
-    params, opt_state = shard_train_state(mesh, params, opt_state)
-  return step_fn, params, opt_state
-
-
 def _run_memory(first_release_rss: list[float]) -> dict:
   """Peak RSS of the run, and its steady state (releases 2..T) when the reset worked."""
   memory = peak_memory()
@@ -442,121 +487,105 @@ def _run_memory(first_release_rss: list[float]) -> dict:
   return memory
 
 
-def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dict:
-  """Runs one private GPT-2 run; writes ``results.json``, ``history.csv`` and
-  (with ``diagnostic_steps``) ``diagnostics.csv`` under ``output_dir``.
-
-  ``probe`` is the NON-PRIVATE analysis run at ``config.diagnostic_steps``
-  (required with them), e.g.
-  :class:`dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe`.
-  """
-  validate_config(config)
-  _check_probe(config, probe)
-  os.makedirs(config.output_dir, exist_ok=True)
-  tracker = tensorboard_writer(config.log_dir)  # fails here, before any release, if absent
-  lm_data = _load_lm_data(config)
-  train_arrays, valid_arrays, n = lm_data.train_arrays, lm_data.valid_arrays, lm_data.num_pairs
-  apply, params, gpt2_config, pretrained = load_model(config, lm_data.tokenizer.vocab_size)
-
-  mesh = lm_mesh(config, params)
-  root = root_key(config.seed)
-  setup = _lm_setup(config, n, root, 1 if mesh is None else dict(mesh.shape)[DATA_AXIS])
-  optimizer = lm_optimizer(config, setup.release_kwargs)
-  loss_fn = lm_loss(apply)
-  step_fn, params, opt_state = _lm_step(config, optimizer, loss_fn, params, mesh)
-  ledger = setup.ledger
-  probe_batch = {k: v[:config.diagnostic_examples] for k, v in train_arrays.items()}
-  diagnostic_rows: list[NamedTuple] = []
-  history: list[dict] = []
-  eval_every = config.eval_every or config.steps
-
-  validation_nll = lambda p: mean_token_nll(apply, p, valid_arrays, config.eval_batch_size)
-
-  def before(state: LoopState) -> None:
-    if state.step in config.diagnostic_steps:  # NON-PRIVATE probe, labelled as such
-      rows = probe.rows(  # pyright: ignore[reportOptionalMemberAccess]  # required, checked
-          loss_fn, state.params, ordered_history(state.opt_state), state.step, config, probe_batch)
-      diagnostic_rows.extend(rows)
-
-  first_release_rss = []  # the peak up to the end of the first release (compilation)
-
-  def after(previous: LoopState, state: LoopState, out) -> None:
-    del previous, out
-    _note_first_release(state.step, config.steps, first_release_rss)
-    if state.step % eval_every == 0 or state.step == config.steps:
-      history.append({"step": state.step, "epsilon": ledger.epsilon(),
-                      "valid_nll": validation_nll(state.params),
-                      "seconds": time.perf_counter() - started,
-                      "cpu_seconds": time.process_time() - cpu_started})
-      print(json.dumps(history[-1]), flush=True)
-      if tracker is not None:
-        tracker.scalars(state.step, _lm_scalars(config, history[-1]))
-
-  started, cpu_started = time.perf_counter(), time.process_time()
-  state, _ = run_releases(
-      step_fn, LoopState(params, opt_state, 0, 0), config.steps, sampler=setup.sampler,
-      optimizer=optimizer, ledger=ledger, hooks=Hooks(before, after),
-      to_chunks=_chunks_of(train_arrays, mesh))
-  train_seconds, train_cpu_seconds = (time.perf_counter() - started,
-                                      time.process_time() - cpu_started)
-  memory = _run_memory(first_release_rss)
-
-  results = _lm_results(config, apply, state.params, lm_data, setup, ledger, history,
-                        validation_nll, gpt2_config, pretrained, root, train_seconds, memory,
-                        train_cpu_seconds)
-  _write_lm_outputs(config.output_dir, results, history, diagnostic_rows, probe)
-  if tracker is not None:
-    tracker.close()
-  return results
+# History columns -> TensorBoard tags.
+TRACKED = {"valid_nll": "valid/nll", "epsilon": "privacy/epsilon_spent",
+           "learning_rate": "train/learning_rate",
+           "fallback_learning_rate": "train/fallback_learning_rate"}
+PLOTTED = (("valid_nll", "validation NLL (nats/token)"), ("epsilon", "ε spent"))
 
 
-def _lm_scalars(config: LMTrainConfig, row: dict) -> dict[str, float]:
-  """One history row as TensorBoard scalars, with the (constant) learning rates."""
-  return {**history_tags(row, {"valid_nll": "valid/nll", "epsilon": "privacy/epsilon_spent"}),
-          "train/learning_rate": config.learning_rate,
-          "train/fallback_learning_rate": config.fallback_learning_rate}
+@dataclasses.dataclass
+class LMTask:
+  """GPT-2 table-to-text as a task of the one trainer (:mod:`dpmuon_jax.training.driver`)."""
+
+  config: LMTrainConfig
+  data: _LMData
+  probe: DiagnosticProbe | None = None
+
+  def privacy_config(self) -> dict:
+    """What must not change between a checkpoint and its resumption."""
+    c = self.config
+    return {"dataset": c.dataset, "dataset_size": self.data.num_pairs, "train_split":
+            c.train_split, "train_subset": c.train_subset, "public_slice": c.public_slice,
+            "optimizer": c.optimizer, "model": c.model, "model_overrides": c.model_overrides,
+            "init_weights": c.init_weights, "vocab_size": c.vocab_size,
+            "max_length": c.max_length, "sampling_rate": c.sampling_rate,
+            "denominator": c.denominator, "clip": c.clip, "delta": c.delta,
+            "accountant": c.accountant}
+
+  def data_arrays(self) -> Sequence[np.ndarray]:
+    return [self.data.train_arrays[k] for k in sorted(self.data.train_arrays)]
+
+  def build(self, root, mesh: Mesh | None, rows_devices: int) -> Run:
+    """GPT-2, the private setup (σ for T releases), the optimizer, the step and evaluation."""
+    config, lm_data = self.config, self.data
+    apply, params, gpt2_config, pretrained = load_model(config, lm_data.tokenizer.vocab_size)
+    setup = _lm_setup(config, lm_data.num_pairs, root, rows_devices)
+    optimizer = lm_optimizer(config, setup.release_kwargs)
+    loss_fn = lm_loss(apply)
+    step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
+                                clipped_sum_method=config.clipped_sum_method, mesh=mesh)
+    probe_batch = {k: v[:config.diagnostic_examples] for k, v in lm_data.train_arrays.items()}
+    diagnostic_rows: list[NamedTuple] = []
+    first_release_rss: list[float] = []  # the peak up to the end of release 1 (compilation)
+    validation_nll = lambda p: mean_token_nll(apply, p, lm_data.valid_arrays,
+                                              config.eval_batch_size)
+
+    def before_release(state: LoopState) -> None:
+      if state.step in config.diagnostic_steps:  # NON-PRIVATE probe, labelled as such
+        rows = self.probe.rows(  # pyright: ignore[reportOptionalMemberAccess]  # checked
+            loss_fn, state.params, ordered_history(state.opt_state), state.step, config,
+            probe_batch)
+        diagnostic_rows.extend(rows)
+
+    def results(params: PyTree, history: list[dict]) -> dict:
+      memory = _run_memory(first_release_rss)  # before decoding, which is not training
+      return {"pretrained": pretrained, "model": gpt2_config._asdict(),
+              "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+              "train_pairs": lm_data.num_pairs, "valid_nll": history[-1]["valid_nll"],
+              **memory, "scores": _scores(config, apply, params, lm_data)}
+
+    def write_extra(output_dir: str, results: dict) -> None:
+      """NON-PRIVATE diagnostics.csv, and their summary in the results."""
+      if diagnostic_rows:
+        results["nonprivate_diagnostics"] = self.probe.summary(  # pyright: ignore[reportOptionalMemberAccess]
+            diagnostic_rows)
+        write_csv(os.path.join(output_dir, "diagnostics.csv"),
+                  [r._asdict() for r in diagnostic_rows])
+
+    constant = lambda rate: optax.constant_schedule(rate)
+    return Run(
+        setup, optimizer, step_fn, _chunks_of(lm_data.train_arrays, mesh), params,
+        max(1, round(1 / setup.sampler.sampling_rate)),
+        evaluate=lambda p: {"valid_nll": validation_nll(p)}, results=results,
+        rates={"learning_rate": constant(config.learning_rate),
+               "fallback_learning_rate": constant(config.fallback_learning_rate)},
+        eval_every=config.steps, tracked=TRACKED, plotted=PLOTTED,
+        before_release=before_release,
+        after_release=lambda s: _note_first_release(s.step, config.steps, first_release_rss),
+        on_record=lambda row: print(json.dumps(row), flush=True), write_extra=write_extra)
 
 
-def _write_lm_outputs(output_dir: str, results: dict, history: list[dict],
-                      diagnostic_rows: list[NamedTuple], probe: DiagnosticProbe | None) -> None:
-  """results.json, history.csv and (NON-PRIVATE) diagnostics.csv."""
-  if diagnostic_rows:
-    results["nonprivate_diagnostics"] = probe.summary(  # pyright: ignore[reportOptionalMemberAccess]
-        diagnostic_rows)
-    write_csv(os.path.join(output_dir, "diagnostics.csv"),
-              [r._asdict() for r in diagnostic_rows])
-  write_csv(os.path.join(output_dir, "history.csv"), history)
-  with open(os.path.join(output_dir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2, default=float)
-
-
-def _lm_results(config, apply, params, lm_data: _LMData, setup, ledger, history, validation_nll,
-                gpt2_config, pretrained, root, train_seconds, memory,
-                train_cpu_seconds) -> dict:
-  """Scores on the generation splits and the run's record (ε, σ, q, D, time, memory)."""
+def _scores(config: LMTrainConfig, apply, params, lm_data: _LMData) -> dict:
+  """BLEU and ROUGE-L of the decoded generation splits."""
   scores = {}
   for split in config.generate_splits:
     data = lm_data.valid if split == "valid" else load_split(config, split)
     scores[split] = score_split(apply, params, lm_data.tokenizer, data, config)
-  results = {
-      # The seed is the root key of a seeded run: it stays out of what a run reports.
-      "config": {**dataclasses.asdict(config), "seed": None},
-      "pretrained": pretrained,
-      "model": gpt2_config._asdict(),
-      "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
-      "train_pairs": lm_data.num_pairs,
-      "epsilon_spent": ledger.epsilon(),
-      "delta": config.delta,
-      "releases": ledger.count,
-      "noise_multiplier": setup.noise_multiplier,
-      "sampling_rate": setup.sampler.sampling_rate,
-      "denominator": setup.release_kwargs["denominator"],
-      "seeded": bool(root.seeded),
-      "valid_nll": history[-1]["valid_nll"] if history else validation_nll(params),
-      "train_seconds": train_seconds,
-      "train_cpu_seconds": train_cpu_seconds,
-      **memory,
-      "scores": scores,
-      "guarantee": "per run, for the training pairs; selection across runs is not covered",
-  }
-  return results
+  return scores
+
+
+def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dict:
+  """Runs (or resumes) one private GPT-2 run with the one trainer
+  (:func:`~dpmuon_jax.training.driver.run_task`).
+
+  Writes ``results.json``, ``history.csv``, ``export/``, the SECRET checkpoints
+  and release journal and (with ``diagnostic_steps``) ``diagnostics.csv``
+  under ``output_dir``. ``probe`` is the NON-PRIVATE analysis run at
+  ``config.diagnostic_steps`` (required with them), e.g.
+  :class:`dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe`; a resumed run's
+  diagnostics cover the releases after its resumption.
+  """
+  validate_config(config)
+  _check_probe(config, probe)
+  return run_task(LMTask(config, _load_lm_data(config), probe))

@@ -1,0 +1,649 @@
+"""The one trainer: any task, on one device, a mesh, or several processes.
+
+::
+
+    task.build(root, mesh) ─► Run: setup (σ, sampler, release, ledger), optimizer, step,
+                              how a sample becomes a batch, evaluation, final results
+    resume point (checkpoint + release journal) ─► run_releases ─► evaluate / log /
+    checkpoint ─► final evaluation, results.json, history.csv, plot, export/
+
+What a run trains is a :class:`Task`: the image classifier
+(:mod:`dpmuon_jax.training.trainer`) and GPT-2 table-to-text
+(:mod:`dpmuon_jax.text.train`) are the two. Everything else is this module's
+and the same for both:
+
+* the privacy ledger records every release; the run stops, saves and says so
+  before a release that would cross the ε budget;
+* checkpoints (orbax) hold the parameters, optimizer state, step, root key and
+  ledger, and are therefore SECRET; resuming is refused when the privacy
+  configuration changed; the release journal replays or charges releases made
+  after the last checkpoint (:mod:`dpmuon_jax.training.journal`);
+* several processes (:mod:`dpmuon_jax.distributed.multihost`): one root key,
+  so one Poisson sample and one noise draw for the whole group, each process
+  feeding only its devices' rows; process 0 alone writes checkpoints, journal
+  and outputs, and every process resumes from the same checkpoint;
+* ``export/`` holds the parameters and their privacy certificate, nothing secret.
+
+A task's ``config`` is a dataclass with the run-control fields this module
+reads: ``output_dir``, ``resume``, ``seed``, ``epsilon``, ``delta``, ``max_steps``,
+``eval_every``, ``checkpoint_every``, ``progress``, ``plot``, ``log_dir``,
+``log_clip_stats``, ``devices`` and ``mesh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from dpmuon_jax.distributed.mesh import DATA_AXIS, data_mesh
+from dpmuon_jax.distributed.multihost import (
+    agree_on_root,
+    check_same_everywhere,
+    is_multi_process,
+    is_primary,
+    replicate,
+    sync,
+)
+from dpmuon_jax.distributed.sharding import (
+    MODEL_AXIS,
+    model_mesh,
+    model_size,
+    param_specs,
+    parse_mesh_shape,
+    shard_train_state,
+)
+from dpmuon_jax.privacy.accounting import PrivacyLedger
+from dpmuon_jax.privacy.keys import RootKey, root_key
+from dpmuon_jax.privacy.release import PrivateTransformation, noise_stream, with_noise_counter
+from dpmuon_jax.privacy.setup import PrivateSetup
+from dpmuon_jax.training.checkpoint import (
+    TrainingCheckpoint,
+    latest_good_step,
+    restore_checkpoint,
+    restore_metadata,
+    save_checkpoint,
+)
+from dpmuon_jax.training.export import export_run
+from dpmuon_jax.training.journal import (
+    JOURNAL_NAME,
+    JournalEntry,
+    append_entry,
+    check_settings,
+    mend_torn_line,
+    plan_resume,
+    read_records,
+)
+from dpmuon_jax.training.loop import BUDGET, COMPLETED, Hooks, LoopState, run_releases
+from dpmuon_jax.training.records import write_csv
+from dpmuon_jax.training.step import PrivateStep, StepOutput
+from dpmuon_jax.training.tracking import MissingExtraError, history_tags, tensorboard_writer
+
+PyTree = Any
+
+RESULTS_NAME = "results.json"
+_FINISHED = ("completed", "budget")
+# Run-control fields: they change neither the clipped sums nor the trajectory.
+_NOT_FINGERPRINTED = (
+    "output_dir", "resume", "progress", "plot", "eval_every", "checkpoint_every",
+    "max_steps", "log_clip_stats", "log_dir",
+)
+
+
+class TrainingError(ValueError):
+  """A configuration or resume problem, reported to the user in one line."""
+
+
+class Run(NamedTuple):
+  """What a task builds for one run (public settings and functions, no secrets).
+
+  Attributes:
+    setup: σ, the Poisson sampler, the release and a fresh ledger.
+    optimizer: the private optimizer (one release, then post-processing).
+    step_fn: the jitted private step.
+    to_chunks: ``(padded_batches, key_index) -> [(batch, mask), …]``, placed on the mesh.
+    initial_params: the public starting point (placed on the mesh by the trainer).
+    steps_per_epoch: round(1/q) releases; the default checkpoint interval.
+    evaluate: ``params -> {metric: value}`` on held-out data, a history row's metrics.
+    results: ``(params, history) -> {key: value}``, the task's part of ``results.json``
+      (e.g. final accuracy, decoded-text scores).
+    rates: the learning-rate schedules recorded in each history row, by column name.
+    eval_every: the default evaluation interval in releases (``config.eval_every`` wins).
+    tracked: history columns -> TensorBoard tags.
+    plotted: ``(column, title)`` panels of ``curves.png``.
+    before_release: ``state -> None`` before each release (e.g. a NON-PRIVATE probe).
+    after_release: ``state -> None`` after each release, before evaluation.
+    on_record: ``row -> None`` for each history row (e.g. print it).
+    write_extra: ``(output_dir, results) -> None``, process 0 only, before results.json.
+  """
+
+  setup: PrivateSetup
+  optimizer: PrivateTransformation
+  step_fn: PrivateStep
+  to_chunks: Callable
+  initial_params: PyTree
+  steps_per_epoch: int
+  evaluate: Callable[[PyTree], dict]
+  results: Callable[[PyTree, list[dict]], dict]
+  rates: Mapping[str, optax.Schedule]
+  eval_every: int
+  tracked: Mapping[str, str]
+  plotted: Sequence[tuple[str, str]]
+  before_release: Callable[[LoopState], None] | None = None
+  after_release: Callable[[LoopState], None] | None = None
+  on_record: Callable[[dict], None] | None = None
+  write_extra: Callable[[str, dict], None] | None = None
+
+
+class Task(Protocol):
+  """What a private training run trains: its settings, private data, model and outputs."""
+
+  config: Any  # a dataclass with the run-control fields of the module docstring
+
+  def privacy_config(self) -> dict:
+    """What must not change between a checkpoint and its resumption."""
+    ...
+
+  def data_arrays(self) -> Sequence[np.ndarray]:
+    """The private training arrays (digested into the run fingerprint)."""
+    ...
+
+  def build(self, root: RootKey, mesh: Mesh | None, rows_devices: int) -> Run:
+    """The run's parts; ``rows_devices`` devices split each padded batch's rows."""
+    ...
+
+
+def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarray) -> str:
+  """A digest of everything that determines the releases of a run, the data included.
+
+  Two runs with equal fingerprints, resumed from the same checkpoint on the
+  same backend, make bit-identical releases; the release journal replays lost
+  releases only then. ``stream`` is the noise stream the releases draw from
+  (:func:`~dpmuon_jax.privacy.release.noise_stream`): a lost release redone
+  from another stream would be a second release of the same sum, never a
+  replay, whatever the settings say.
+  """
+  settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_FINGERPRINTED}
+  digest = hashlib.sha256()
+  digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+  digest.update(np.asarray(stream, np.uint32).tobytes())
+  for array in data_arrays:
+    array = np.ascontiguousarray(array)
+    digest.update(f"{array.dtype}{array.shape}".encode())
+    digest.update(array.tobytes())
+  digest.update(f"{jax.__version__} {jax.default_backend()} {_library_version()}".encode())
+  # The key -> noise map depends on it: a replay under the other setting would add other noise.
+  digest.update(f"threefry_partitionable={jax.config.values['jax_threefry_partitionable']}".encode())
+  if is_multi_process():  # another summation order: a release would not replay bit for bit
+    digest.update(f"processes={jax.process_count()} devices={jax.device_count()}".encode())
+  return digest.hexdigest()
+
+
+def _library_version() -> str:
+  try:
+    return importlib.metadata.version("dpmuon-jax")
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def recorded_config(output_dir: str) -> dict | None:
+  """The settings a run in ``output_dir`` was made with (its newest checkpoint's), or ``None``.
+
+  Only what determines the run: the fields that control how it is run
+  (``--max-steps``, progress, logging, ...) are left out, so a resume states
+  them anew.
+  """
+  ckpt_dir = os.path.join(output_dir, "checkpoints")
+  step = latest_good_step(ckpt_dir)
+  if step is None:
+    return None
+  config = restore_metadata(ckpt_dir, step)["config"]
+  return {k: v for k, v in config.items() if k not in _NOT_FINGERPRINTED}
+
+
+def _resume_point(task: Task, ckpt_dir: str, journal_path: str
+                  ) -> tuple[int | None, dict | None]:
+  """The checkpoint step and metadata to resume from (``None`` for a new run)."""
+  config = task.config
+  has_journal = bool(read_records(journal_path))
+  step = latest_good_step(ckpt_dir)
+  if not config.resume:
+    if step is not None or has_journal:
+      raise TrainingError(
+          f"{config.output_dir} already holds a run (checkpoints or a release journal): "
+          "pass --resume to continue or finish it (it reuses the run's settings), or choose "
+          "another --output-dir for a new run."
+      )
+    return None, None
+  if step is None:
+    if not has_journal:
+      raise TrainingError(f"--resume: no checkpoint in {ckpt_dir}.")
+    return None, None  # crashed before its first checkpoint: the journal still counts
+  metadata = restore_metadata(ckpt_dir, step)
+  saved, current = metadata["privacy_config"], task.privacy_config()
+  if saved != current:
+    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    raise TrainingError(f"Refusing to resume: the privacy configuration changed {changed}.")
+  saved_seed = metadata["config"].get("seed")
+  if config.seed is not None and config.seed != saved_seed:
+    raise TrainingError(
+        f"Refusing to resume: --seed {config.seed} differs from the run's "
+        f"{'seed ' + str(saved_seed) if saved_seed is not None else 'OS-entropy root key'}; "
+        "resume without --seed or with the same one."
+    )
+  return step, metadata
+
+
+def _outputs_written(output_dir: str) -> bool:
+  """Whether a run's final outputs exist (the last thing :func:`_finish` writes is results)."""
+  return os.path.exists(os.path.join(output_dir, RESULTS_NAME))
+
+
+class _Placed(NamedTuple):
+  """A run with where it runs: its mesh and the release it stops before."""
+
+  run: Run
+  mesh: Mesh | None
+  end: int
+
+
+def _train_mesh(config, num_devices: int) -> Mesh | None:
+  """``--mesh DATAxMODEL`` over every device, else the data mesh of ``--devices`` (or none)."""
+  if config.mesh is None:
+    return data_mesh(num_devices) if num_devices > 1 else None
+  if is_multi_process():
+    raise TrainingError("--mesh shards the state within one process only (checkpoints "
+                        "gather it); use --devices with several processes.")
+  try:
+    data, model = parse_mesh_shape(config.mesh)
+    if config.devices is not None and config.devices != data * model:
+      raise ValueError(f"--devices {config.devices} disagrees with --mesh {config.mesh}.")
+    return model_mesh(data, model)
+  except ValueError as error:
+    raise TrainingError(f"--mesh: {error}") from None
+
+
+def _check_layouts(mesh: Mesh | None, params: PyTree) -> None:
+  """A leaf that the mesh's 'model' axis cannot split stops the run, naming the leaf."""
+  if mesh is not None:
+    try:
+      param_specs(params, model_size(mesh))
+    except ValueError as error:
+      raise TrainingError(f"--mesh: {error}") from None
+
+
+def _num_devices(config) -> int:
+  """``--devices`` (default 1); with several processes, every device of every process."""
+  if is_multi_process():
+    if config.devices not in (None, jax.device_count()):
+      raise TrainingError(
+          f"--devices {config.devices}: the mesh of {jax.process_count()} processes spans all "
+          f"their {jax.device_count()} devices; leave --devices out or pass {jax.device_count()}."
+      )
+    return jax.device_count()
+  num_devices = config.devices or 1
+  if num_devices > jax.device_count():
+    raise TrainingError(
+        f"--devices {num_devices}: only {jax.device_count()} device(s) are available."
+    )
+  return num_devices
+
+
+def _build(task: Task, root: RootKey) -> _Placed:
+  """The task's run on the mesh of ``--mesh`` or ``--devices`` (none for one device)."""
+  config = task.config
+  mesh = _train_mesh(config, _num_devices(config) if config.mesh is None else 1)
+  rows_devices = 1 if mesh is None else dict(mesh.shape)[DATA_AXIS]
+  run = task.build(root, mesh, rows_devices)
+  _check_layouts(mesh, run.initial_params)
+  steps = run.setup.steps
+  return _Placed(run, mesh, steps if config.max_steps is None else min(steps, config.max_steps))
+
+
+def _metadata(task: Task, run: Run, root: RootKey, ledger: PrivacyLedger, key_index: int,
+              stop: str | None, history) -> dict:
+  """What a checkpoint records besides the arrays (SECRET: holds the root key)."""
+  return {
+      "privacy_config": task.privacy_config(),
+      "ledger": ledger.to_json(),
+      "root_key": np.asarray(root.key).tolist(),
+      "seeded": bool(root.seeded),
+      "key_index": key_index,
+      "stop_reason": stop,
+      "clipping": run.optimizer.release.clipping.describe(),
+      "secure_noise": run.optimizer.release.secure_noise,
+      "history": history,
+      "config": dataclasses.asdict(task.config),
+  }
+
+
+def _resumed_ledger(run: Run, metadata: dict | None) -> PrivacyLedger:
+  """The run's ledger: a new one, or the checkpoint's if it accounts for the same settings."""
+  if metadata is None:
+    return run.setup.ledger
+  ledger = PrivacyLedger.from_json(metadata["ledger"])
+  try:
+    ledger.check_compatible(run.setup.ledger)
+  except ValueError as error:
+    raise TrainingError(f"Refusing to resume: {error}; resume with the run's own settings "
+                        "(leave them out: --resume reuses them) or choose another "
+                        "--output-dir.") from None
+  return ledger
+
+
+def _starting_point(placed: _Placed, ckpt_dir, metadata, resume_step):
+  """(params, opt_state, step, history) of a new run or of its checkpoint."""
+  params = placed.run.initial_params
+  opt_state = placed.run.optimizer.init(params)
+  if metadata is None:
+    return (*_placed(placed.mesh, params, opt_state), 0, [])
+  restored = restore_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}),
+                                resume_step)
+  params, opt_state = restored.params, restored.opt_state
+  if is_multi_process():  # each process read its own copy: one replicated state on the mesh
+    params, opt_state = replicate(data_mesh(), (params, opt_state))
+  return (*_placed(placed.mesh, params, opt_state), restored.step, metadata["history"])
+
+
+def _placed(mesh: Mesh | None, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
+  """The state split over a (data, model) mesh's 'model' axis; as it is otherwise."""
+  if mesh is None or MODEL_AXIS not in mesh.axis_names:
+    return params, opt_state
+  return shard_train_state(mesh, params, opt_state)
+
+
+def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, root):
+  """Replays or charges the releases lost after the checkpoint (see training/journal.py).
+
+  The lost releases must have been made under this run's privacy settings
+  (read from the journal); otherwise the resume is refused, with or without
+  a checkpoint. Without a checkpoint every journaled release is lost.
+  """
+  key_index = metadata.get("key_index", start) if metadata is not None else 0
+  records = read_records(journal_path)
+  lost = [e for e in records if e.key_index >= key_index]
+  try:  # after a checkpoint, entries older than journaled settings are the checkpoint's own
+    check_settings([e for e in lost if metadata is None or e.privacy is not None],
+                   ledger.config._asdict())
+  except ValueError as error:
+    raise TrainingError(
+        f"Refusing to resume: {error}. Resume with the run's own settings, or start a new "
+        "--output-dir."
+    ) from None
+  plan = plan_resume(
+      records, start, key_index, fingerprint,
+      # Secure noise comes from OS entropy at every release: it never replays.
+      replayable=(metadata is not None or root.seeded) and not run.optimizer.release.secure_noise,
+  )
+  if plan.charge_now:
+    ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now)
+    print(
+        f"{plan.charge_now} release(s) made after the last checkpoint cannot be replayed "
+        f"exactly: charged to the ledger (ε = {ledger.epsilon():.4f}), fresh noise from here."
+    )
+  return plan
+
+
+class _Clock(NamedTuple):
+  """When this process started its releases (wall and CPU time)."""
+
+  wall: float
+  cpu: float
+
+  @classmethod
+  def start(cls) -> _Clock:
+    return cls(time.perf_counter(), time.process_time())
+
+  def elapsed(self) -> tuple[float, float]:
+    return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def run_task(task: Task) -> dict:
+  """Runs (or resumes) one private training run of ``task`` and returns its results.
+
+  Writes ``results.json``, ``history.csv``, ``curves.png`` (with ``plot``),
+  owner-only checkpoints, the release journal and ``export/`` (the parameters
+  and the privacy certificate, nothing secret) under ``config.output_dir``.
+  """
+  config = task.config
+  os.makedirs(config.output_dir, exist_ok=True)
+  ckpt_dir = os.path.join(config.output_dir, "checkpoints")
+  journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
+  resume_step, metadata = _resume_point(task, ckpt_dir, journal_path)
+  # Several processes: process 0's root everywhere (and a barrier: all have read the run dir).
+  root = agree_on_root(root_key(config.seed) if metadata is None else RootKey(
+      jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
+  placed = _build(task, root)
+  run = placed.run
+  ledger = _resumed_ledger(run, metadata)
+  if metadata is not None and metadata.get("stop_reason") in _FINISHED:
+    return _finished(task, placed, ledger, root, ckpt_dir, metadata, resume_step)
+  params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
+  fingerprint = run_fingerprint(config, task.data_arrays(), noise_stream(opt_state))
+  plan = _plan_keys(run, ledger, journal_path, fingerprint, start, metadata, root)
+  check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
+  state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
+
+  if is_primary():  # a line torn by the crash would run into the next one
+    mend_torn_line(journal_path)
+
+  def save(state: LoopState, stop: str | None = None) -> None:
+    meta = _metadata(task, run, root, ledger, state.key_index, stop, history)
+    if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
+      save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
+
+  def journal(state: LoopState) -> None:
+    if is_primary():
+      append_entry(journal_path, JournalEntry(state.step, state.key_index, fingerprint,
+                                              ledger.config._asdict()))
+    if run.before_release is not None:
+      run.before_release(state)
+
+  bar = _progress(placed.end, start, config.progress and is_primary())
+  tracker = _open_tracker(config.log_dir if is_primary() else None, start)
+  clock = _Clock.start()
+  hooks = Hooks(before=journal,
+                after=_after_release(task, placed, ledger, history, bar, save, tracker, clock))
+  state, stop_reason = run_releases(
+      run.step_fn, state, placed.end, sampler=run.setup.sampler, optimizer=run.optimizer,
+      to_chunks=run.to_chunks, ledger=ledger, hooks=hooks)
+  if stop_reason == COMPLETED and placed.end < run.setup.steps:
+    stop_reason = "max_steps"
+  if stop_reason == BUDGET:
+    print(f"Stopped before step {state.step + 1}: one more release would exceed "
+          f"ε = {config.epsilon} (spent {ledger.epsilon():.4f}). Checkpoint saved.")
+  if state.key_index < plan.replay_until:
+    # Lost releases this run did not redo still happened: charge them, skip their keys.
+    ledger.record(run.setup.sampler, run.optimizer, count=plan.replay_until - state.key_index)
+    state = state._replace(opt_state=with_noise_counter(state.opt_state, plan.replay_until),
+                           key_index=plan.replay_until)
+  if bar is not None:
+    bar.close()
+  save(state, stop_reason)
+  results = _finish(task, placed, ledger, history, state, stop_reason, clock, start,
+                    root.seeded)
+  _close_tracker(tracker, history, run.tracked)
+  return results
+
+
+def _finished(task: Task, placed: _Placed, ledger: PrivacyLedger, root: RootKey,
+              ckpt_dir: str, metadata: dict, resume_step: int | None) -> dict:
+  """The results of a run that already ended (completed or stopped by its budget).
+
+  A run stopped after its final checkpoint but before its outputs writes them now,
+  from that checkpoint, without another release.
+  """
+  output_dir = task.config.output_dir
+  if not _outputs_written(output_dir):
+    params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
+    state = LoopState(params, opt_state, start, metadata["key_index"])
+    return _finish(task, placed, ledger, history, state, metadata["stop_reason"],
+                   _Clock.start(), start, root.seeded)
+  print(
+      f"The run in {output_dir} already finished ({metadata['stop_reason']}) after "
+      f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
+  )
+  with open(os.path.join(output_dir, RESULTS_NAME)) as f:
+    return json.load(f)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+  if not enabled:
+    return None
+  from tqdm.auto import tqdm
+
+  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def _open_tracker(log_dir: str | None, start: int):
+  """The run's TensorBoard writer (``None`` without ``--log-dir``).
+
+  Resumed from step ``start``, it first drops what an interrupted run logged after it.
+  """
+  try:
+    return tensorboard_writer(log_dir, purge_step=start + 1 if start else None)
+  except MissingExtraError as error:
+    raise TrainingError(str(error)) from None
+
+
+def _close_tracker(tracker, history: list[dict], tracked: Mapping[str, str]) -> None:
+  """Writes the final evaluation when the hook did not, and closes the event files."""
+  if tracker is None:
+    return
+  if history and history[-1]["step"] != tracker.last_step:
+    tracker.scalars(history[-1]["step"], history_tags(history[-1], tracked))
+  tracker.close()
+
+
+def _record(run: Run, ledger: PrivacyLedger, step: int, params: PyTree, clock: _Clock) -> dict:
+  """One history row: the step, ε spent, the task's held-out metrics, the rates, the time."""
+  seconds, cpu_seconds = clock.elapsed()
+  return {"step": step, "epoch": step / run.steps_per_epoch, "epsilon": ledger.epsilon(),
+          **run.evaluate(params),
+          **{name: float(np.asarray(rate(step))) for name, rate in run.rates.items()},
+          "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
+def _after_release(task: Task, placed: _Placed, ledger, history, bar, save, tracker,
+                   clock: _Clock) -> Callable:
+  """Evaluates, logs and checkpoints after a release (the loop's ``after`` hook)."""
+  config, run = task.config, placed.run
+  eval_every = config.eval_every or run.eval_every
+  checkpoint_every = config.checkpoint_every or run.steps_per_epoch
+
+  def after(previous: LoopState, state: LoopState, out: StepOutput) -> None:
+    del previous
+    done = state.step
+    if run.after_release is not None:
+      run.after_release(state)
+    if done % eval_every == 0 or done == placed.end:
+      record = _record(run, ledger, done, state.params, clock)
+      if config.log_clip_stats:
+        record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
+        record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
+      history.append(record)
+      if run.on_record is not None:
+        run.on_record(record)
+      if tracker is not None:
+        tracker.scalars(done, history_tags(record, run.tracked))
+      if bar is not None:
+        bar.set_postfix({k: f"{record[k]:.3f}" for k, _ in run.plotted})
+    if bar is not None:
+      bar.update(1)
+    if done % checkpoint_every == 0 and done != placed.end:
+      save(state)
+
+  return after
+
+
+def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop_reason,
+            clock: _Clock, start, seeded) -> dict:
+  """Final evaluation, results.json, history.csv, the plot and the export."""
+  config, run = task.config, placed.run
+  if not history or history[-1]["step"] != state.step:
+    history.append(_record(run, ledger, state.step, state.params, clock))
+  seconds, cpu_seconds = clock.elapsed()
+  results = {**run.results(state.params, history),
+             **_results(config, run, ledger, stop_reason, seconds, cpu_seconds,
+                        state.step - start, seeded)}
+  if is_primary():
+    export_run(config.output_dir)  # parameters + certificate, no secrets, in export/
+    if run.write_extra is not None:
+      run.write_extra(config.output_dir, results)
+    _write_outputs(config.output_dir, results, history, run.plotted if config.plot else ())
+  sync("dpmuon train: outputs written")  # several processes: none returns before they exist
+  return results
+
+
+def _results(config, run: Run, ledger: PrivacyLedger, stop_reason, seconds: float,
+             cpu_seconds: float, steps_run: int, seeded) -> dict:
+  """What every run reports: the guarantee spent, how it was made, and its cost."""
+  setup = run.setup
+  return {
+      "epsilon_spent": ledger.epsilon(),
+      "target_epsilon": config.epsilon,
+      "delta": config.delta,
+      "noise_multiplier": setup.noise_multiplier,
+      "sampling_rate": setup.sampler.sampling_rate,
+      "denominator": setup.release.release.denominator,
+      "releases": ledger.count,
+      "planned_steps": setup.steps,
+      "stop_reason": stop_reason,
+      "seeded": bool(seeded),
+      "secure_noise": setup.release.release.secure_noise,
+      "clipping": setup.release.release.clipping.describe(),
+      "train_seconds": seconds,
+      "train_cpu_seconds": cpu_seconds,
+      "seconds_per_epoch": seconds / steps_run * run.steps_per_epoch if steps_run else None,
+      "guarantee": (
+          "per run, add/remove-one adjacency; hyperparameter search across runs is not covered"
+      ),
+      # The seed is the root key of a seeded run: it stays in the owner-only checkpoints.
+      "config": {**dataclasses.asdict(config), "seed": None},
+      "export": "export",  # relative to the run's folder, which may be moved
+  }
+
+
+def _write_outputs(output_dir: str, results: dict, history: list[dict],
+                   plotted: Sequence[tuple[str, str]]) -> None:
+  """history.csv, the plot, then results.json (atomically, last: it marks the outputs done)."""
+  fields = sorted({k for h in history for k in h}, key=lambda k: (k != "step", k))
+  write_csv(os.path.join(output_dir, "history.csv"), history, fields)
+  if plotted:
+    _plot(output_dir, history, plotted)
+  path = os.path.join(output_dir, RESULTS_NAME)
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f, indent=2, default=float)
+  os.replace(path + ".tmp", path)
+
+
+def _plot(output_dir: str, history: list[dict], plotted: Sequence[tuple[str, str]]) -> None:
+  """``curves.png``: one panel per ``(column, title)``, against the step."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  steps = [h["step"] for h in history]
+  fig, axes = plt.subplots(1, len(plotted), figsize=(4 * len(plotted), 3.2))
+  for ax, (key, label) in zip(np.atleast_1d(axes), plotted):
+    ax.plot(steps, [h[key] for h in history], marker="o", ms=3)
+    ax.set_xlabel("step")
+    ax.set_title(label)
+    if key == "epsilon" and any(math.isfinite(h[key]) for h in history):
+      ax.set_ylim(bottom=0)
+  fig.tight_layout()
+  fig.savefig(os.path.join(output_dir, "curves.png"), dpi=110)
+  plt.close(fig)
