@@ -124,6 +124,31 @@ def test_bad_train_arguments_exit_nonzero_with_one_line(args, bad_npz, tmp_path,
   assert len([line for line in err.splitlines() if "error" in line]) == 1, err
 
 
+TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sampling-rate", "0"], "sampling_rate"),
+        (["--optimizer", "dp_lion"], "dp_lion"),
+        (["--model-overrides", "{not json"], "--model-overrides"),
+        (["--mesh", "3x5"], "--mesh: The mesh 3x5 needs positive axis sizes"),
+    ],
+)
+def test_bad_train_lm_arguments_exit_2_with_one_line(args, message, tmp_path, capsys):
+  if "--mesh" in args and not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")):
+    pytest.skip("shared/data/text is not present")
+  with pytest.raises(SystemExit) if "--model-overrides" in args else _no_exit():
+    code = main(["train-lm", "--data-dir", TEXT_DIR, "--output-dir", str(tmp_path / "x"),
+                 "--model", "gpt2_tiny", "--vocab-size", "512", "--train-split", "valid",
+                 "--train-subset", "64", *args])
+    assert code == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "Traceback" not in err and message in err, err
+  assert not (tmp_path / "x" / "release_journal.jsonl").exists()  # refused before a release
+
+
 class _no_exit:
   def __enter__(self):
     return self
