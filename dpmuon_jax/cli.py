@@ -292,62 +292,55 @@ def _add_account(sub) -> None:
                        "(pld) accountant")
 
 
-def _train(args: argparse.Namespace) -> int:
+def _run_settings(args: argparse.Namespace) -> dict:
+  """Joins the process group (before any other JAX use; nothing without the flags), then the
+  run's settings: the command line's, and with ``--resume`` the recorded ones it leaves out."""
   from dpmuon_jax.distributed.multihost import initialize
 
-  # Before any other JAX use: join the process group (nothing without the flags).
   initialize(args.coordinator_address, args.num_processes, args.process_id,
              cpu_collectives=args.cpu_collectives, autodetect=args.distributed)
-  from dpmuon_jax.training.trainer import TrainConfig, train
-
-  fields = {k: v for k, v in vars(args).items() if k not in ("command", "given", *_DISTRIBUTED)}
-  if args.resume:  # the run's own settings, unless the command line states them anew
-    from dpmuon_jax.training.trainer import recorded_config
-
-    recorded = recorded_config(args.output_dir) or {}
-    fields = {**fields, **{k: v for k, v in recorded.items() if k not in args.given}}
-  results = train(TrainConfig(**fields))
-  print(
-      f"test accuracy {results['final_test_accuracy']:.4f} "
-      f"(best {results['best_test_accuracy']:.4f}); "
-      f"ε = {results['epsilon_spent']:.3f} at δ = {results['delta']:g} "
-      f"after {results['releases']} releases (σ = {results['noise_multiplier']:.4f}, "
-      f"q = {results['sampling_rate']:.5f}); results in {args.output_dir}/results.json, "
-      f"the publishable model and its privacy certificate in "
-      f"{os.path.join(args.output_dir, results['export'])}/",
-      flush=True,
-  )
-  return 0
-
-
-def _train_lm(args: argparse.Namespace) -> int:
-  from dpmuon_jax.distributed.multihost import initialize
-
-  # Before any other JAX use: join the process group (nothing without the flags).
-  initialize(args.coordinator_address, args.num_processes, args.process_id,
-             cpu_collectives=args.cpu_collectives, autodetect=args.distributed)
-  from dpmuon_jax.text.train import LMTrainConfig, train_lm
   from dpmuon_jax.training.driver import recorded_config
 
   fields = {k: v for k, v in vars(args).items() if k not in ("command", "given", *_DISTRIBUTED)}
   if args.resume:  # the run's own settings, unless the command line states them anew
     recorded = recorded_config(args.output_dir) or {}
-    fields = {**fields, **{k: tuple(v) if isinstance(v, list) else v
+    fields = {**fields, **{k: tuple(v) if isinstance(v, list) else v  # JSON made tuples lists
                            for k, v in recorded.items() if k not in args.given}}
+  return fields
+
+
+def _privacy_line(results: dict, output_dir: str) -> str:
+  """What a finished run spent, and where its results and publishable model are."""
+  return (f"ε = {results['epsilon_spent']:.3f} at δ = {results['delta']:g} "
+          f"after {results['releases']} releases (σ = {results['noise_multiplier']:.4f}, "
+          f"q = {results['sampling_rate']:.5f}); results in {output_dir}/results.json, "
+          f"the publishable model and its privacy certificate in "
+          f"{os.path.join(output_dir, results['export'])}/")
+
+
+def _train(args: argparse.Namespace) -> int:
+  fields = _run_settings(args)
+  from dpmuon_jax.training.trainer import TrainConfig, train
+
+  results = train(TrainConfig(**fields))
+  print(f"test accuracy {results['final_test_accuracy']:.4f} "
+        f"(best {results['best_test_accuracy']:.4f}); {_privacy_line(results, args.output_dir)}",
+        flush=True)
+  return 0
+
+
+def _train_lm(args: argparse.Namespace) -> int:
+  fields = _run_settings(args)
+  from dpmuon_jax.text.train import LMTrainConfig, train_lm
+
   probe = None
   if fields["diagnostic_steps"]:
     from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe
 
     probe = InnerMomentumProbe()
   results = train_lm(LMTrainConfig(**fields), probe=probe)
-  print(
-      f"validation NLL {results['valid_nll']:.4f}; ε = {results['epsilon_spent']:.3f} at "
-      f"δ = {results['delta']:g} after {results['releases']} releases "
-      f"(σ = {results['noise_multiplier']:.4f}, q = {results['sampling_rate']:.5f}); results in "
-      f"{args.output_dir}/results.json, the publishable model and its privacy certificate in "
-      f"{os.path.join(args.output_dir, results['export'])}/",
-      flush=True,
-  )
+  print(f"validation NLL {results['valid_nll']:.4f}; {_privacy_line(results, args.output_dir)}",
+        flush=True)
   return 0
 
 
