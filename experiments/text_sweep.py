@@ -296,7 +296,10 @@ def _train_and_time(config: LMTrainConfig, log_dir: str | None, call) -> tuple[d
   shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
   started = time.perf_counter()
   results = call(_train, config)
-  return results, time.perf_counter() - started
+  seconds = time.perf_counter() - started
+  # A finished run's checkpoints hold its root key (SECRET) and are never resumed: export/ stays.
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"), ignore_errors=True)
+  return results, seconds
 
 
 # ---------------------------------------------------------------------------

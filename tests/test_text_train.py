@@ -16,6 +16,9 @@ from dpmuon_jax.text.hf_weights import save_hf_gpt2
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, peak_rss_gib, train_lm
+from dpmuon_jax.training.checkpoint import latest_good_step
+from dpmuon_jax.training.export import load_exported
+from dpmuon_jax.training.journal import JOURNAL_NAME, read_journal
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.transforms.history import ordered_history, param_history
 from experiments import text_sweep
@@ -98,6 +101,11 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
   assert np.isfinite(results["scores"]["test"]["bleu"])
   with open(os.path.join(config.output_dir, "results.json")) as f:
     assert json.load(f)["releases"] == 3
+  # The one trainer's files: a journal entry before each release, the final checkpoint, export/.
+  journal = read_journal(os.path.join(config.output_dir, JOURNAL_NAME))
+  assert [(e.step, e.key_index) for e in journal] == [(0, 0), (1, 1), (2, 2)]
+  assert latest_good_step(os.path.join(config.output_dir, "checkpoints")) == 3
+  assert load_exported(os.path.join(config.output_dir, "export")).certificate["releases"] == 3
 
 
 @needs_text_data
@@ -185,6 +193,8 @@ def test_every_text_config_builds_and_runs_one_release(tmp_path, name):
   assert rows[0]["releases"] == 1 and 0 < rows[0]["epsilon_spent"] <= rows[0]["target_epsilon"]
   with open(tmp_path / "summary.csv") as f:
     assert len(list(csv.DictReader(f))) == 1
+  # The run's secret checkpoints are gone once it is recorded; its export stays.
+  assert not list(tmp_path.rglob("checkpoints")) and list(tmp_path.rglob("export"))
   assert (tmp_path / f"{exp.metric}_vs_epsilon.png").exists()
   if exp.diagnostic_steps:
     with open(tmp_path / "diagnostics.json") as f:

@@ -444,8 +444,8 @@ def run_task(task: Task) -> dict:
     if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
       save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
 
-  def journal(state: LoopState) -> None:
-    if is_primary():
+  def before(state: LoopState) -> None:
+    if is_primary():  # the journal entry precedes its release
       append_entry(journal_path, JournalEntry(state.step, state.key_index, fingerprint,
                                               ledger.config._asdict()))
     if run.before_release is not None:
@@ -454,7 +454,7 @@ def run_task(task: Task) -> dict:
   bar = _progress(placed.end, start, config.progress and is_primary())
   tracker = _open_tracker(config.log_dir if is_primary() else None, start)
   clock = _Clock.start()
-  hooks = Hooks(before=journal,
+  hooks = Hooks(before=before,
                 after=_after_release(task, placed, ledger, history, bar, save, tracker, clock))
   state, stop_reason = run_releases(
       run.step_fn, state, placed.end, sampler=run.setup.sampler, optimizer=run.optimizer,
