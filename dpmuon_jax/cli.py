@@ -187,10 +187,17 @@ def _optional(parse):
   return lambda text: None if text.lower() == "none" else parse(text)
 
 
+def _json_object(text: str) -> dict:
+  value = json.loads(text)
+  if not isinstance(value, dict):
+    raise ValueError(f"expected a JSON object, got {text!r}")
+  return value
+
+
 def _lm_flag_type(hint: str):
   """How ``dpmuon train-lm`` parses an LMTrainConfig field of type annotation ``hint``."""
   base = hint.replace(" | None", "")
-  parse = {"int": int, "float": float, "str": str, "dict": json.loads,
+  parse = {"int": int, "float": float, "str": str, "dict": _json_object,
            "tuple[str, ...]": lambda text: tuple(t for t in text.split(",") if t),
            "tuple[int, ...]": lambda text: tuple(int(t) for t in text.split(",") if t)}[base]
   return _optional(parse) if hint.endswith("| None") else parse
@@ -217,8 +224,9 @@ def _add_train_lm(sub) -> None:
     else:
       default = field.default
     help = FLAG_HELP[field.name]
-    if default is dataclasses.MISSING:
-      train_lm.add_argument(flag, type=_lm_flag_type(hint), required=True, help=help)
+    if default is dataclasses.MISSING:  # required, but --resume may take the recorded one
+      train_lm.add_argument(flag, type=_lm_flag_type(hint), default=None,
+                            help=f"{help} (required; --resume: the run's)")
     elif hint == "bool":
       train_lm.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                             help=help)
@@ -292,21 +300,30 @@ def _add_account(sub) -> None:
                        "(pld) accountant")
 
 
-def _run_settings(args: argparse.Namespace) -> dict:
-  """Joins the process group (before any other JAX use; nothing without the flags), then the
-  run's settings: the command line's, and with ``--resume`` the recorded ones it leaves out."""
+def _resolved_config(args: argparse.Namespace, cls: type):
+  """Joins the process group (before the first use of a device; nothing without the flags),
+  then the run's ``cls`` config: the command line's settings, and with ``--resume`` the
+  recorded ones it leaves out."""
+  import dataclasses
+
   from dpmuon_jax.distributed.multihost import initialize
+  from dpmuon_jax.training.driver import recorded_config
 
   initialize(args.coordinator_address, args.num_processes, args.process_id,
              cpu_collectives=args.cpu_collectives, autodetect=args.distributed)
-  from dpmuon_jax.training.driver import recorded_config
-
   fields = {k: v for k, v in vars(args).items() if k not in ("command", "given", *_DISTRIBUTED)}
   if args.resume:  # the run's own settings, unless the command line states them anew
     recorded = recorded_config(args.output_dir) or {}
+    foreign = set(recorded) - {f.name for f in dataclasses.fields(cls)}
+    if foreign:
+      raise ValueError(f"--resume: {args.output_dir} holds a run of another kind (its settings "
+                       f"include {', '.join(sorted(foreign))}).")
     fields = {**fields, **{k: tuple(v) if isinstance(v, list) else v  # JSON made tuples lists
                            for k, v in recorded.items() if k not in args.given}}
-  return fields
+  for field in dataclasses.fields(cls):  # no default: given, or the run's own with --resume
+    if field.default is field.default_factory is dataclasses.MISSING and fields[field.name] is None:
+      raise ValueError(f"--{field.name.replace('_', '-')} is required.")
+  return cls(**fields)
 
 
 def _privacy_line(results: dict, output_dir: str) -> str:
@@ -319,10 +336,9 @@ def _privacy_line(results: dict, output_dir: str) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-  fields = _run_settings(args)
-  from dpmuon_jax.training.trainer import TrainConfig, train
+  from dpmuon_jax.training.trainer import TrainConfig, train  # importing uses no device
 
-  results = train(TrainConfig(**fields))
+  results = train(_resolved_config(args, TrainConfig))
   print(f"test accuracy {results['final_test_accuracy']:.4f} "
         f"(best {results['best_test_accuracy']:.4f}); {_privacy_line(results, args.output_dir)}",
         flush=True)
@@ -330,15 +346,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_lm(args: argparse.Namespace) -> int:
-  fields = _run_settings(args)
-  from dpmuon_jax.text.train import LMTrainConfig, train_lm
+  from dpmuon_jax.text.train import LMTrainConfig, train_lm  # importing uses no device
 
+  config = _resolved_config(args, LMTrainConfig)
   probe = None
-  if fields["diagnostic_steps"]:
+  if config.diagnostic_steps:
     from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe
 
     probe = InnerMomentumProbe()
-  results = train_lm(LMTrainConfig(**fields), probe=probe)
+  results = train_lm(config, probe=probe)
   print(f"validation NLL {results['valid_nll']:.4f}; {_privacy_line(results, args.output_dir)}",
         flush=True)
   return 0

@@ -141,6 +141,9 @@ def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int,
       generate_splits=exp.generate_splits,
       max_new_tokens=exp.max_new_tokens,
       diagnostic_steps=exp.diagnostic_steps,
+      # An interrupted run is redone from scratch: only the final checkpoint (what export/
+      # reads), none inside the timed releases.
+      checkpoint_every=exp.steps * variant.releases,
   )
   if not tiny:
     return config
@@ -711,9 +714,11 @@ def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
                                     f"{_slug(variant.label)}_{method}_mb{microbatch}"),
             init_weights=gpt2_dir, steps=releases + 1, eval_every=1, eval_pairs=1,
             generate_splits=(), clipped_sum_method=method, microbatch_size=microbatch)
+        shutil.rmtree(config.output_dir, ignore_errors=True)  # an earlier measurement's files
         results = train_lm(config)
         with open(os.path.join(config.output_dir, "history.csv")) as f:
           history = list(csv.DictReader(f))
+        shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))  # SECRET: the root key
         seconds = [float(r["seconds"]) for r in history]
         cpu = [float(r["cpu_seconds"]) for r in history]
         rows.append({"variant": variant.label, "optimizer": variant.optimizer,

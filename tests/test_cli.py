@@ -237,6 +237,11 @@ def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys)
   err = capsys.readouterr().err
   assert "Refusing to resume: changed privacy configuration" in err
   assert "Refusing to continue" not in err and len(err.strip().splitlines()) == 1
+  # An image run is no GPT-2 run: train-lm refuses to resume it, in one line.
+  assert main(["train-lm", "--resume", "--output-dir", out]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("dpmuon train-lm: error: --resume: ") and "another kind" in err
+  assert len(err.splitlines()) == 1
 
 
 _BAD_NUMBERS = [

@@ -4,9 +4,10 @@ the group.
 
 The GPT-2 task runs in the one trainer, so what the image trainer's multi-process test pins
 (one root key, one Poisson sample, one noise draw, files written by process 0) must hold here
-too; these runs check it end to end on the tiny GPT-2: DP-Muon's 2-process run of 3 releases,
-and DP-Muon-IM's (K = 4, the GPT-2 preset) stopped after 2 releases and resumed to 3 in 2
-processes, each against an uninterrupted 1 × 8 run.
+too; these runs check it end to end on the tiny GPT-2: DP-Muon's 2-process run of 3 releases
+(decoding 3 validation sources at the end), and DP-Muon-IM's (K = 4, the GPT-2 preset) stopped
+after 2 releases and resumed to 3 in 2 processes from the run's recorded settings alone, each
+against an uninterrupted 1 × 8 run.
 """
 
 from __future__ import annotations
@@ -52,18 +53,21 @@ def runs(tmp_path_factory):
   logs.mkdir()
   single = job_env(PROCESSES * DEVICES_PER_PROCESS, cache)
   started = time.monotonic()
-  phase1 = group("train_muon", lambda c, i: _argv(tmp / "muon_group", "dp_muon",
+  decode = ("--generate-splits", "valid", "--generate-groups", "3", "--max-new-tokens", "6")
+  phase1 = group("train_muon", lambda c, i: _argv(tmp / "muon_group", "dp_muon", *decode,
                                                    *_distributed(c, i)), cache, logs)
-  phase1.append(Job("train_muon_single", _argv(tmp / "muon_single", "dp_muon", "--devices",
-                                               "8"), single, logs))
+  phase1.append(Job("train_muon_single", _argv(tmp / "muon_single", "dp_muon", *decode,
+                                               "--devices", "8"), single, logs))
   wait(phase1)
   phase2 = group("train_im", lambda c, i: _argv(tmp / "im_group", "dp_muon_im", "--max-steps",
                                                  "2", *_distributed(c, i)), cache, logs)
   phase2.append(Job("train_im_single", _argv(tmp / "im_single", "dp_muon_im", "--devices", "8"),
                     single, logs))
   wait(phase2)
-  phase3 = group("train_im_resume", lambda c, i: _argv(
-      tmp / "im_group", "dp_muon_im", "--resume", *_distributed(c, i)), cache, logs)
+  # Every setting but where the run is comes from its record (--data-dir included).
+  phase3 = group("train_im_resume", lambda c, i: [
+      sys.executable, "-m", "dpmuon_jax.cli", "train-lm", "--output-dir", str(tmp / "im_group"),
+      "--resume", *_distributed(c, i)], cache, logs)
   wait(phase3)
   print(f"train-lm launches took {time.monotonic() - started:.1f} s")
   return {"dir": tmp, "resume_logs": [job.text() for job in phase3]}
@@ -93,6 +97,12 @@ def test_two_processes_give_the_parameters_of_one_process_of_eight_devices(runs,
   assert grouped["epsilon_spent"] == pytest.approx(alone["epsilon_spent"], rel=1e-12)
   assert grouped["valid_nll"] == pytest.approx(alone["valid_nll"], rel=1e-5)
   assert len(_params(single_dir)) > 4  # a real GPT-2 tree, not an empty export
+
+
+def test_the_group_decodes_what_one_process_decodes(runs):
+  grouped = _results(runs["dir"] / "muon_group")["scores"]["valid"]
+  assert grouped["groups"] == 3 and len(grouped["examples"]) == 3
+  assert grouped == _results(runs["dir"] / "muon_single")["scores"]["valid"]
 
 
 def test_the_group_writes_its_files_once_and_resumes_together(runs):

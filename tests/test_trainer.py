@@ -59,6 +59,35 @@ def test_resume_continues_bit_for_bit_and_refuses_changed_privacy(tmp_path, tiny
     train(_config(tmp_path, "part", resume=True, clipping="per_layer"), tiny_data)
   with pytest.raises(TrainingError, match="already holds a run"):
     train(_config(tmp_path, "part"), tiny_data)
+  # Other data of the same size and name: the ledger would be the same, the run would not.
+  from dpmuon_jax.data.images import ImageDataset
+
+  other = ImageDataset(255 - tiny_data.x_train, tiny_data.y_train, tiny_data.x_test,
+                       tiny_data.y_test, num_classes=3, name="tiny")
+  with pytest.raises(TrainingError, match="Refusing to resume: the training data differ"):
+    train(_config(tmp_path, "part", resume=True), other)
+
+
+def test_the_fingerprint_leaves_out_what_changes_no_release():
+  """A GPT-2 run resumed with other evaluation settings still replays its lost releases."""
+  import dataclasses
+
+  from dpmuon_jax.text.train import LMTask, LMTrainConfig
+  from dpmuon_jax.training.driver import run_fingerprint
+
+  config = LMTrainConfig(data_dir="d")
+  arrays, stream = [np.arange(6, dtype=np.int32)], np.array([1, 2], np.uint32)
+  fingerprint = lambda c: run_fingerprint(c, arrays, stream, LMTask.evaluation_fields)  # noqa: E731
+  assert LMTask.evaluation_fields
+  for field in LMTask.evaluation_fields:
+    value = getattr(config, field)
+    changed = (*value, 7) if isinstance(value, tuple) else (value or 0) + 1
+    assert fingerprint(dataclasses.replace(config, **{field: changed})) == fingerprint(config)
+  for release_field, value in (("clip", 2.0), ("microbatch_size", 8), ("model_seed", 1)):
+    assert fingerprint(dataclasses.replace(config, **{release_field: value})) != fingerprint(
+        config), release_field
+  assert run_fingerprint(config, [arrays[0] + 1], stream) != run_fingerprint(config, arrays,
+                                                                             stream)
 
 
 def test_budget_guard_stops_at_the_largest_affordable_step(tmp_path, tiny_data):

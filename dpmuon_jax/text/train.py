@@ -47,7 +47,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -501,6 +501,10 @@ class LMTask:
   config: LMTrainConfig
   data: _LMData
   probe: DiagnosticProbe | None = None
+  # What is scored and decoded, and the NON-PRIVATE probe: never a release.
+  evaluation_fields: ClassVar[tuple[str, ...]] = (
+      "eval_pairs", "eval_batch_size", "generate_splits", "generate_groups", "beam_size",
+      "max_new_tokens", "diagnostic_steps", "diagnostic_examples")
 
   def privacy_config(self) -> dict:
     """What must not change between a checkpoint and its resumption."""
@@ -519,6 +523,10 @@ class LMTask:
   def build(self, root, mesh: Mesh | None, rows_devices: int) -> Run:
     """GPT-2, the private setup (σ for T releases), the optimizer, the step and evaluation."""
     config, lm_data = self.config, self.data
+    rows_per_chunk = rows_devices * (config.microbatch_size or 1)
+    if config.capacity and config.capacity % rows_per_chunk:  # before a release is journaled
+      raise ValueError(f"capacity {config.capacity} does not split into {rows_devices} "
+                       f"device(s) × microbatches of {config.microbatch_size or 1}.")
     apply, params, gpt2_config, pretrained = load_model(config, lm_data.tokenizer.vocab_size)
     setup = _lm_setup(config, lm_data.num_pairs, root, rows_devices)
     optimizer = lm_optimizer(config, setup.release_kwargs)
@@ -538,12 +546,18 @@ class LMTask:
             probe_batch)
         diagnostic_rows.extend(rows)
 
+    memory: dict[str, float] = {}  # as of the latest evaluation: before checkpoint and decoding
+
+    def on_record(row: dict) -> None:
+      memory.update(_run_memory(first_release_rss))
+      print(json.dumps(row), flush=True)
+
     def results(params: PyTree, history: list[dict]) -> dict:
-      memory = _run_memory(first_release_rss)  # before decoding, which is not training
       return {"pretrained": pretrained, "model": gpt2_config._asdict(),
               "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
               "train_pairs": lm_data.num_pairs, "valid_nll": history[-1]["valid_nll"],
-              **memory, "scores": _scores(config, apply, params, lm_data)}
+              **(memory or _run_memory(first_release_rss)),
+              "scores": _scores(config, apply, params, lm_data)}
 
     def write_extra(output_dir: str, results: dict) -> None:
       """NON-PRIVATE diagnostics.csv, and their summary in the results."""
@@ -563,7 +577,7 @@ class LMTask:
         eval_every=config.steps, tracked=TRACKED, plotted=PLOTTED,
         before_release=before_release,
         after_release=lambda s: _note_first_release(s.step, config.steps, first_release_rss),
-        on_record=lambda row: print(json.dumps(row), flush=True), write_extra=write_extra)
+        on_record=on_record, write_extra=write_extra)
 
 
 def _scores(config: LMTrainConfig, apply, params, lm_data: _LMData) -> dict:

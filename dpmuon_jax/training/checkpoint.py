@@ -196,9 +196,9 @@ def _without_empty(tree: PyTree) -> PyTree:
 def _with_empty(like: PyTree, restored: PyTree) -> PyTree:
   """``restored`` (from :func:`_without_empty`) with ``like``'s zero-size leaves put back."""
   leaves, treedef = jax.tree.flatten(like)
-  got = jax.tree.leaves(restored, is_leaf=lambda x: x is None)
+  got = treedef.flatten_up_to(restored)  # checks the structure; a None stands for its leaf
   return jax.tree.unflatten(treedef, [want if np.size(want) == 0 else have
-                                      for want, have in zip(leaves, got, strict=True)])
+                                      for want, have in zip(leaves, got)])
 
 
 def save_checkpoint(directory: str, ckpt: TrainingCheckpoint) -> None:

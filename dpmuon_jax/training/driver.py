@@ -40,7 +40,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +125,7 @@ class Run(NamedTuple):
     plotted: ``(column, title)`` panels of ``curves.png``.
     before_release: ``state -> None`` before each release (e.g. a NON-PRIVATE probe).
     after_release: ``state -> None`` after each release, before evaluation.
-    on_record: ``row -> None`` for each history row (e.g. print it).
+    on_record: ``row -> None`` for each history row, process 0 only (e.g. print it).
     write_extra: ``(output_dir, results) -> None``, process 0 only, before results.json.
   """
 
@@ -151,21 +151,25 @@ class Task(Protocol):
   """What a private training run trains: its settings, private data, model and outputs."""
 
   config: Any  # a dataclass with the run-control fields of the module docstring
+  # Config fields that change only what is evaluated or decoded, never a release.
+  evaluation_fields: ClassVar[tuple[str, ...]]
 
   def privacy_config(self) -> dict:
     """What must not change between a checkpoint and its resumption."""
     ...
 
   def data_arrays(self) -> Sequence[np.ndarray]:
-    """The private training arrays (digested into the run fingerprint)."""
+    """The private training arrays (digested into the run fingerprint and checkpoints)."""
     ...
+
 
   def build(self, root: RootKey, mesh: Mesh | None, rows_devices: int) -> Run:
     """The run's parts; ``rows_devices`` devices split each padded batch's rows."""
     ...
 
 
-def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarray) -> str:
+def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarray,
+                    evaluation_fields: Sequence[str] = ()) -> str:
   """A digest of everything that determines the releases of a run, the data included.
 
   Two runs with equal fingerprints, resumed from the same checkpoint on the
@@ -173,9 +177,11 @@ def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarra
   releases only then. ``stream`` is the noise stream the releases draw from
   (:func:`~dpmuon_jax.privacy.release.noise_stream`): a lost release redone
   from another stream would be a second release of the same sum, never a
-  replay, whatever the settings say.
+  replay, whatever the settings say. ``evaluation_fields`` (the task's) are left out
+  with the run-control fields: a resume that changes them still replays.
   """
-  settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_FINGERPRINTED}
+  left_out = (*_NOT_FINGERPRINTED, *evaluation_fields)
+  settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in left_out}
   digest = hashlib.sha256()
   digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
   digest.update(np.asarray(stream, np.uint32).tobytes())
@@ -188,6 +194,16 @@ def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarra
   digest.update(f"threefry_partitionable={jax.config.values['jax_threefry_partitionable']}".encode())
   if is_multi_process():  # another summation order: a release would not replay bit for bit
     digest.update(f"processes={jax.process_count()} devices={jax.device_count()}".encode())
+  return digest.hexdigest()
+
+
+def data_digest(data_arrays: Sequence[np.ndarray]) -> str:
+  """SHA-256 of the private training arrays (dtype, shape and bytes of each, in order)."""
+  digest = hashlib.sha256()
+  for array in data_arrays:
+    array = np.ascontiguousarray(array)
+    digest.update(f"{array.dtype}{array.shape}".encode())
+    digest.update(array.tobytes())
   return digest.hexdigest()
 
 
@@ -213,9 +229,13 @@ def recorded_config(output_dir: str) -> dict | None:
   return {k: v for k, v in config.items() if k not in _NOT_FINGERPRINTED}
 
 
-def _resume_point(task: Task, ckpt_dir: str, journal_path: str
+def _resume_point(task: Task, ckpt_dir: str, journal_path: str, data_sha256: str
                   ) -> tuple[int | None, dict | None]:
-  """The checkpoint step and metadata to resume from (``None`` for a new run)."""
+  """The checkpoint step and metadata to resume from (``None`` for a new run).
+
+  The privacy configuration, the seed and the training data (its digest, where the
+  checkpoint records one) must be the checkpoint's.
+  """
   config = task.config
   has_journal = bool(read_records(journal_path))
   step = latest_good_step(ckpt_dir)
@@ -236,6 +256,9 @@ def _resume_point(task: Task, ckpt_dir: str, journal_path: str
   if saved != current:
     changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
     raise TrainingError(f"Refusing to resume: the privacy configuration changed {changed}.")
+  if metadata.get("data_sha256", data_sha256) != data_sha256:
+    raise TrainingError("Refusing to resume: the training data differ from the run's "
+                        "(another file, subset or tokenisation); resume on the run's own data.")
   saved_seed = metadata["config"].get("seed")
   if config.seed is not None and config.seed != saved_seed:
     raise TrainingError(
@@ -313,10 +336,11 @@ def _build(task: Task, root: RootKey) -> _Placed:
 
 
 def _metadata(task: Task, run: Run, root: RootKey, ledger: PrivacyLedger, key_index: int,
-              stop: str | None, history) -> dict:
+              stop: str | None, history, data_sha256: str) -> dict:
   """What a checkpoint records besides the arrays (SECRET: holds the root key)."""
   return {
       "privacy_config": task.privacy_config(),
+      "data_sha256": data_sha256,
       "ledger": ledger.to_json(),
       "root_key": np.asarray(root.key).tolist(),
       "seeded": bool(root.seeded),
@@ -421,7 +445,9 @@ def run_task(task: Task) -> dict:
   os.makedirs(config.output_dir, exist_ok=True)
   ckpt_dir = os.path.join(config.output_dir, "checkpoints")
   journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
-  resume_step, metadata = _resume_point(task, ckpt_dir, journal_path)
+  data_arrays = task.data_arrays()
+  data_sha256 = data_digest(data_arrays)
+  resume_step, metadata = _resume_point(task, ckpt_dir, journal_path, data_sha256)
   # Several processes: process 0's root everywhere (and a barrier: all have read the run dir).
   root = agree_on_root(root_key(config.seed) if metadata is None else RootKey(
       jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
@@ -431,7 +457,8 @@ def run_task(task: Task) -> dict:
   if metadata is not None and metadata.get("stop_reason") in _FINISHED:
     return _finished(task, placed, ledger, root, ckpt_dir, metadata, resume_step)
   params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
-  fingerprint = run_fingerprint(config, task.data_arrays(), noise_stream(opt_state))
+  fingerprint = run_fingerprint(config, data_arrays, noise_stream(opt_state),
+                                task.evaluation_fields)
   plan = _plan_keys(run, ledger, journal_path, fingerprint, start, metadata, root)
   check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
   state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
@@ -440,7 +467,7 @@ def run_task(task: Task) -> dict:
     mend_torn_line(journal_path)
 
   def save(state: LoopState, stop: str | None = None) -> None:
-    meta = _metadata(task, run, root, ledger, state.key_index, stop, history)
+    meta = _metadata(task, run, root, ledger, state.key_index, stop, history, data_sha256)
     if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
       save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
 
@@ -471,8 +498,9 @@ def run_task(task: Task) -> dict:
                            key_index=plan.replay_until)
   if bar is not None:
     bar.close()
+  elapsed = clock.elapsed()  # the releases' time, without the final checkpoint and outputs
   save(state, stop_reason)
-  results = _finish(task, placed, ledger, history, state, stop_reason, clock, start,
+  results = _finish(task, placed, ledger, history, state, stop_reason, clock, elapsed, start,
                     root.seeded)
   _close_tracker(tracker, history, run.tracked)
   return results
@@ -490,7 +518,7 @@ def _finished(task: Task, placed: _Placed, ledger: PrivacyLedger, root: RootKey,
     params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
     state = LoopState(params, opt_state, start, metadata["key_index"])
     return _finish(task, placed, ledger, history, state, metadata["stop_reason"],
-                   _Clock.start(), start, root.seeded)
+                   _Clock.start(), (0.0, 0.0), start, root.seeded)
   print(
       f"The run in {output_dir} already finished ({metadata['stop_reason']}) after "
       f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
@@ -554,7 +582,7 @@ def _after_release(task: Task, placed: _Placed, ledger, history, bar, save, trac
         record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
         record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
       history.append(record)
-      if run.on_record is not None:
+      if run.on_record is not None and is_primary():
         run.on_record(record)
       if tracker is not None:
         tracker.scalars(done, history_tags(record, run.tracked))
@@ -569,12 +597,17 @@ def _after_release(task: Task, placed: _Placed, ledger, history, bar, save, trac
 
 
 def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop_reason,
-            clock: _Clock, start, seeded) -> dict:
-  """Final evaluation, results.json, history.csv, the plot and the export."""
+            clock: _Clock, elapsed: tuple[float, float], start, seeded) -> dict:
+  """Final evaluation, results.json, history.csv, the plot and the export.
+
+  ``elapsed``: the wall and CPU seconds of this process's releases (and their evaluations).
+  """
   config, run = task.config, placed.run
   if not history or history[-1]["step"] != state.step:
     history.append(_record(run, ledger, state.step, state.params, clock))
-  seconds, cpu_seconds = clock.elapsed()
+    if run.on_record is not None and is_primary():
+      run.on_record(history[-1])
+  seconds, cpu_seconds = elapsed
   results = {**run.results(state.params, history),
              **_results(config, run, ledger, stop_reason, seconds, cpu_seconds,
                         state.step - start, seeded)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +298,7 @@ class ImageTask:
 
   config: TrainConfig
   data: ImageDataset
+  evaluation_fields: ClassVar[tuple[str, ...]] = ()  # eval_every is a run-control field
 
   def privacy_config(self) -> dict:
     return self.config.privacy_config(self.data.num_train)
