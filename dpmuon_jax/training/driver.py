@@ -486,16 +486,8 @@ def run_task(task: Task) -> dict:
   state, stop_reason = run_releases(
       run.step_fn, state, placed.end, sampler=run.setup.sampler, optimizer=run.optimizer,
       to_chunks=run.to_chunks, ledger=ledger, hooks=hooks)
-  if stop_reason == COMPLETED and placed.end < run.setup.steps:
-    stop_reason = "max_steps"
-  if stop_reason == BUDGET:
-    print(f"Stopped before step {state.step + 1}: one more release would exceed "
-          f"ε = {config.epsilon} (spent {ledger.epsilon():.4f}). Checkpoint saved.")
-  if state.key_index < plan.replay_until:
-    # Lost releases this run did not redo still happened: charge them, skip their keys.
-    ledger.record(run.setup.sampler, run.optimizer, count=plan.replay_until - state.key_index)
-    state = state._replace(opt_state=with_noise_counter(state.opt_state, plan.replay_until),
-                           key_index=plan.replay_until)
+  state, stop_reason = _settled(placed, ledger, plan.replay_until, state, stop_reason,
+                                config.epsilon)
   if bar is not None:
     bar.close()
   elapsed = clock.elapsed()  # the releases' time, without the final checkpoint and outputs
@@ -504,6 +496,24 @@ def run_task(task: Task) -> dict:
                     root.seeded)
   _close_tracker(tracker, history, run.tracked)
   return results
+
+
+def _settled(placed: _Placed, ledger: PrivacyLedger, replay_until: int, state: LoopState,
+             stop_reason: str, epsilon: float) -> tuple[LoopState, str]:
+  """The state and stop reason to save once the loop ended (``max_steps``, ``budget``,
+  ``completed``), with lost releases that were not redone charged and their keys skipped."""
+  run = placed.run
+  if stop_reason == COMPLETED and placed.end < run.setup.steps:
+    stop_reason = "max_steps"
+  if stop_reason == BUDGET:
+    print(f"Stopped before step {state.step + 1}: one more release would exceed "
+          f"ε = {epsilon} (spent {ledger.epsilon():.4f}). Checkpoint saved.")
+  if state.key_index < replay_until:
+    # Lost releases this run did not redo still happened: charge them, skip their keys.
+    ledger.record(run.setup.sampler, run.optimizer, count=replay_until - state.key_index)
+    state = state._replace(opt_state=with_noise_counter(state.opt_state, replay_until),
+                           key_index=replay_until)
+  return state, stop_reason
 
 
 def _finished(task: Task, placed: _Placed, ledger: PrivacyLedger, root: RootKey,
