@@ -567,13 +567,12 @@ class LMTask:
         write_csv(os.path.join(output_dir, "diagnostics.csv"),
                   [r._asdict() for r in diagnostic_rows])
 
-    constant = lambda rate: optax.constant_schedule(rate)
     return Run(
         setup, optimizer, step_fn, _chunks_of(lm_data.train_arrays, mesh), params,
         max(1, round(1 / setup.sampler.sampling_rate)),
         evaluate=lambda p: {"valid_nll": validation_nll(p)}, results=results,
-        rates={"learning_rate": constant(config.learning_rate),
-               "fallback_learning_rate": constant(config.fallback_learning_rate)},
+        rates={"learning_rate": optax.constant_schedule(config.learning_rate),
+               "fallback_learning_rate": optax.constant_schedule(config.fallback_learning_rate)},
         eval_every=config.steps, tracked=TRACKED, plotted=PLOTTED,
         before_release=before_release,
         after_release=lambda s: _note_first_release(s.step, config.steps, first_release_rss),
