@@ -6,8 +6,9 @@ The GPT-2 task runs in the one trainer, so what the image trainer's multi-proces
 (one root key, one Poisson sample, one noise draw, files written by process 0) must hold here
 too; these runs check it end to end on the tiny GPT-2: DP-Muon's 2-process run of 3 releases
 (decoding 3 validation sources at the end), and DP-Muon-IM's (K = 4, the GPT-2 preset) stopped
-after 2 releases and resumed to 3 in 2 processes from the run's recorded settings alone, each
-against an uninterrupted 1 × 8 run.
+after 2 releases and resumed to 3 in 2 processes from the run's recorded settings alone, the
+latter also with its state split over both processes (``--mesh 1x8``), each against an
+uninterrupted 1 × 8 run.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def runs(tmp_path_factory):
       sys.executable, "-m", "dpmuon_jax.cli", "train-lm", "--output-dir", str(tmp / "im_group"),
       "--resume", *_distributed(c, i)], cache, logs)
   wait(phase3)
+  # Phases 4-5: the same DP-Muon-IM run with its state split over 'model' = all 8 devices of
+  # both processes (each holds half of every split leaf), stopped after 2 releases and resumed.
+  phase4 = group("train_mesh", lambda c, i: _argv(tmp / "im_mesh", "dp_muon_im", "--mesh", "1x8",
+                                                   "--max-steps", "2", *_distributed(c, i)),
+                 cache, logs)
+  wait(phase4)
+  phase5 = group("train_mesh_resume", lambda c, i: [
+      sys.executable, "-m", "dpmuon_jax.cli", "train-lm", "--output-dir", str(tmp / "im_mesh"),
+      "--resume", *_distributed(c, i)], cache, logs)
+  wait(phase5)
   print(f"train-lm launches took {time.monotonic() - started:.1f} s")
   return {"dir": tmp, "resume_logs": [job.text() for job in phase3]}
 
@@ -103,6 +114,14 @@ def test_the_group_decodes_what_one_process_decodes(runs):
   grouped = _results(runs["dir"] / "muon_group")["scores"]["valid"]
   assert grouped["groups"] == 3 and len(grouped["examples"]) == 3
   assert grouped == _results(runs["dir"] / "muon_single")["scores"]["valid"]
+
+
+def test_state_split_over_both_processes_gives_the_same_run(runs):
+  """--mesh 1x8 over 2 processes: each large matrix and its K = 4 states live in slices on the
+  devices of both; the checkpoint gathers them, the resume splits them again."""
+  sharded, alone = runs["dir"] / "im_mesh", runs["dir"] / "im_single"
+  assert _results(sharded)["releases"] == 3 and _results(sharded)["config"]["mesh"] == "1x8"
+  assert _largest_gap(_params(sharded), _params(alone)) <= TOLERANCE
 
 
 def test_the_group_writes_its_files_once_and_resumes_together(runs):

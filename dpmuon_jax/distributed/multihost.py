@@ -165,3 +165,17 @@ def replicate(mesh: Mesh, tree: PyTree) -> PyTree:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
   return jax.tree.map(one, tree)
+
+
+def gather_to_host(tree: PyTree) -> PyTree:
+  """``tree`` with every leaf split over several processes' devices gathered whole.
+
+  A collective: every process calls it (with the same layouts), and each gets
+  the whole arrays, e.g. for process 0 to write them to a checkpoint. Leaves
+  that every device holds whole are left as they are; one process: unchanged.
+  """
+  if not is_multi_process():
+    return tree
+  return jax.tree.map(
+      lambda x: x if getattr(x, "is_fully_replicated", True)
+      else multihost_utils.process_allgather(x, tiled=True), tree)

@@ -134,8 +134,20 @@ def train_state_shardings(mesh: Mesh, params: PyTree, opt_state: PyTree) -> tupl
 
 
 def shard_train_state(mesh: Mesh, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
-  """Places ``params`` and ``opt_state`` on ``mesh``, each leaf by the module's rule."""
-  return jax.device_put((params, opt_state), train_state_shardings(mesh, params, opt_state))
+  """Places ``params`` and ``opt_state`` on ``mesh``, each leaf by the module's rule.
+
+  With several processes, every process passes the same whole state (e.g. the public
+  initialisation, or the checkpoint each one read) and places only its devices' slices.
+  """
+  target = train_state_shardings(mesh, params, opt_state)
+  if not mesh.is_multi_process:
+    return jax.device_put((params, opt_state), target)
+
+  def place(x, sharding: NamedSharding) -> jax.Array:
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(place, (params, opt_state), target)
 
 
 def constrain_train_state(mesh: Mesh, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:

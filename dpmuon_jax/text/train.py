@@ -156,8 +156,8 @@ class LMTrainConfig:
       many of their groups (``None``: all).
     log_dir: also write the validation NLL, ε spent and the learning rates
       as TensorBoard event files there (:mod:`dpmuon_jax.training.tracking`).
-    mesh: ``"DATAxMODEL"`` (e.g. ``"2x4"``), a mesh over all devices of this
-      process: rows split over data, each matrix and its optimizer state
+    mesh: ``"DATAxMODEL"`` (e.g. ``"2x4"``), a mesh over all devices (of
+      every process, with several): rows split over data, each matrix and its optimizer state
       split over model (:mod:`dpmuon_jax.distributed.sharding`); ``None``:
       one device, or the data-parallel mesh of ``devices``.
     devices, resume, max_steps, checkpoint_every, log_clip_stats, progress,
@@ -256,7 +256,7 @@ FLAG_HELP = {
     "diagnostic_steps": "NON-PRIVATE polar-error / clipping-residual probe at these releases",
     "diagnostic_examples": "training pairs of the probe batch",
     "log_dir": "also write TensorBoard event files here (the tensorboard extra)",
-    "mesh": "DATAxMODEL over all devices of one process: matrices split over model",
+    "mesh": "DATAxMODEL over all devices (every process's): matrices split over model",
     "devices": "data-parallel over this many devices (several processes: all of them)",
     "resume": "continue (or finish) the run in --output-dir with its recorded settings",
     "max_steps": "stop after this many releases (smoke runs); the ledger stays exact",

@@ -52,6 +52,7 @@ from dpmuon_jax.distributed.mesh import DATA_AXIS, data_mesh
 from dpmuon_jax.distributed.multihost import (
     agree_on_root,
     check_same_everywhere,
+    gather_to_host,
     is_multi_process,
     is_primary,
     replicate,
@@ -286,9 +287,6 @@ def _train_mesh(config, num_devices: int) -> Mesh | None:
   """``--mesh DATAxMODEL`` over every device, else the data mesh of ``--devices`` (or none)."""
   if config.mesh is None:
     return data_mesh(num_devices) if num_devices > 1 else None
-  if is_multi_process():
-    raise TrainingError("--mesh shards the state within one process only (checkpoints "
-                        "gather it); use --devices with several processes.")
   try:
     data, model = parse_mesh_shape(config.mesh)
     if config.devices is not None and config.devices != data * model:
@@ -376,7 +374,8 @@ def _starting_point(placed: _Placed, ckpt_dir, metadata, resume_step):
   restored = restore_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, 0, {}),
                                 resume_step)
   params, opt_state = restored.params, restored.opt_state
-  if is_multi_process():  # each process read its own copy: one replicated state on the mesh
+  sharded = placed.mesh is not None and MODEL_AXIS in placed.mesh.axis_names
+  if is_multi_process() and not sharded:  # each process read its own copy: one replicated state
     params, opt_state = replicate(data_mesh(), (params, opt_state))
   return (*_placed(placed.mesh, params, opt_state), restored.step, metadata["history"])
 
@@ -468,8 +467,10 @@ def run_task(task: Task) -> dict:
 
   def save(state: LoopState, stop: str | None = None) -> None:
     meta = _metadata(task, run, root, ledger, state.key_index, stop, history, data_sha256)
+    # Several processes: each gathers the leaves split over them; process 0 writes.
+    params, opt_state = gather_to_host((state.params, state.opt_state))
     if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
-      save_checkpoint(ckpt_dir, TrainingCheckpoint(state.params, state.opt_state, state.step, meta))
+      save_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, state.step, meta))
 
   def before(state: LoopState) -> None:
     if is_primary():  # the journal entry precedes its release
