@@ -12,6 +12,7 @@ import pytest
 from dpmuon_jax.cli import main
 from dpmuon_jax.models.registry import MODEL_NAMES, model_and_loss
 from dpmuon_jax.privacy.accounting import PrivacyLedger
+from dpmuon_jax.training import export
 from dpmuon_jax.training.checkpoint import restore_untyped
 from dpmuon_jax.training.export import (
     CERTIFICATE_FILE,
@@ -75,8 +76,25 @@ def test_certificate_matches_the_ledger(run):
   assert certificate["clipping"] == {"rule": "flat_clip", "l2_clip_norm": 1.0}
   assert certificate["seeded"] is False and certificate["secure_noise"] is False
   assert certificate["model"]["architecture"] == MODEL
+  assert certificate["model"]["pretrained_initialisation"] is False
   assert "hyperparameter search across runs is not covered" in certificate["guarantee"]
   assert certificate["library"]["name"] == "dpmuon-jax"
+
+
+def test_a_checkpoint_without_a_recorded_model_is_described_from_its_settings(
+    run, monkeypatch, tmp_path):
+  """Checkpoints written before runs recorded their model still export a description."""
+  out, _, _, _ = run
+
+  def older_checkpoint(*args, **kwargs):
+    checkpoint = restore_untyped(*args, **kwargs)
+    del checkpoint.metadata["model"]
+    return checkpoint
+
+  monkeypatch.setattr(export, "restore_untyped", older_checkpoint)
+  model = load_exported(export_run(out, str(tmp_path / "old"))).certificate["model"]
+  assert model["architecture"] == MODEL and model["pretrained_initialisation"] is False
+  assert model["overrides"] == {}
 
 
 def test_exported_params_equal_the_checkpoint_and_load_as_init_weights(run):

@@ -105,7 +105,29 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
   journal = read_journal(os.path.join(config.output_dir, JOURNAL_NAME))
   assert [(e.step, e.key_index) for e in journal] == [(0, 0), (1, 1), (2, 2)]
   assert latest_good_step(os.path.join(config.output_dir, "checkpoints")) == 3
-  assert load_exported(os.path.join(config.output_dir, "export")).certificate["releases"] == 3
+  certificate = load_exported(os.path.join(config.output_dir, "export")).certificate
+  assert certificate["releases"] == 3
+  assert certificate["model"]["architecture"] == "gpt2" and not certificate["model"][
+      "pretrained_initialisation"]
+  assert certificate["model"]["preset"] == "gpt2_tiny"
+  assert certificate["model"]["shape"]["dim"] == text_sweep.TINY_MODEL["dim"]
+
+
+@needs_text_data
+def test_a_fine_tuned_export_describes_the_loaded_model_not_the_preset(tmp_path):
+  """With ``init_weights``, the certificate gives the checkpoint's shape (``config.model``
+  names a preset that was not trained)."""
+  checkpoint = str(tmp_path / "checkpoint")
+  _, params, gpt2_config, _ = load_model(_tiny_config(tmp_path, model_overrides={
+      **text_sweep.TINY_MODEL, "dim": 32}), 512)
+  save_hf_gpt2(params, gpt2_config, checkpoint)
+  config = _tiny_config(tmp_path, init_weights=checkpoint, model="gpt2_small", steps=1,
+                        generate_splits=(), optimizer="dp_muon", optimizer_kwargs={})
+  train_lm(config)
+  model = load_exported(os.path.join(config.output_dir, "export")).certificate["model"]
+  assert model["architecture"] == "gpt2" and model["pretrained_initialisation"]
+  assert model["shape"] == json.loads(json.dumps(gpt2_config._asdict()))
+  assert "preset" not in model and "overrides" not in model
 
 
 @needs_text_data

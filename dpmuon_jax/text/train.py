@@ -317,6 +317,16 @@ def lm_optimizer(config: LMTrainConfig, release_kwargs: dict[str, Any]) -> Priva
                         **kwargs)
 
 
+def _model_description(config: LMTrainConfig, gpt2_config: GPT2Config,
+                       pretrained: bool) -> dict:
+  """The export certificate's public description of the model: the shape trained, which
+  for ``init_weights`` is the loaded checkpoint's, not ``config.model``'s preset."""
+  shape = {"architecture": "gpt2", "shape": gpt2_config._asdict(),
+           "pretrained_initialisation": pretrained}
+  return shape if pretrained else {**shape, "preset": config.model,
+                                   "overrides": dict(config.model_overrides)}
+
+
 def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT2Config, bool]:
   """``(apply, params, gpt2_config, pretrained)`` from ``init_weights`` or from scratch."""
   tap = tapped if config.clipped_sum_method != "vmap" else (lambda module: module)
@@ -574,7 +584,7 @@ class LMTask:
         rates={"learning_rate": optax.constant_schedule(config.learning_rate),
                "fallback_learning_rate": optax.constant_schedule(config.fallback_learning_rate)},
         eval_every=config.steps, tracked=TRACKED, plotted=PLOTTED,
-        before_release=before_release,
+        model=_model_description(config, gpt2_config, pretrained), before_release=before_release,
         after_release=lambda s: _note_first_release(s.step, config.steps, first_release_rss),
         on_record=on_record, write_extra=write_extra)
 

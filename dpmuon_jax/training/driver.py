@@ -124,6 +124,8 @@ class Run(NamedTuple):
     eval_every: the default evaluation interval in releases (``config.eval_every`` wins).
     tracked: history columns -> TensorBoard tags.
     plotted: ``(column, title)`` panels of ``curves.png``.
+    model: the public description of the model trained (``architecture``, its shape or
+      overrides, ``pretrained_initialisation``): the export certificate's ``model``.
     before_release: ``state -> None`` before each release (e.g. a NON-PRIVATE probe).
     after_release: ``state -> None`` after each release, before evaluation.
     on_record: ``row -> None`` for each history row, process 0 only (e.g. print it).
@@ -142,6 +144,7 @@ class Run(NamedTuple):
   eval_every: int
   tracked: Mapping[str, str]
   plotted: Sequence[tuple[str, str]]
+  model: Mapping[str, Any]
   before_release: Callable[[LoopState], None] | None = None
   after_release: Callable[[LoopState], None] | None = None
   on_record: Callable[[dict], None] | None = None
@@ -346,6 +349,7 @@ def _metadata(task: Task, run: Run, root: RootKey, ledger: PrivacyLedger, key_in
       "stop_reason": stop,
       "clipping": run.optimizer.release.clipping.describe(),
       "secure_noise": run.optimizer.release.secure_noise,
+      "model": dict(run.model),
       "history": history,
       "config": dataclasses.asdict(task.config),
   }

@@ -270,6 +270,18 @@ def _public_dataset_name(dataset: str) -> str:
   return os.path.basename(dataset) if os.sep in dataset else dataset
 
 
+def _model_from_config(config: dict) -> dict:
+  """The model's description read from a run's settings (checkpoints that predate the
+  recorded ``model``)."""
+  model: dict[str, Any] = {}
+  if "model" in config:
+    model["architecture"] = config["model"]
+    model["overrides"] = config.get("model_overrides") or {}
+  if "init_weights" in config:
+    model["pretrained_initialisation"] = config["init_weights"] is not None
+  return model
+
+
 def export_run(run_dir: str, out_dir: str | None = None) -> str:
   """Exports the newest intact checkpoint of a training run directory.
 
@@ -297,14 +309,10 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
       "rule": "flat_clip",
       "l2_clip_norm": config.get("clip", ledger.config.l2_clip_norm),
   }
-  model: dict[str, Any] = {"step": checkpoint.step}
-  if "model" in config:
-    model["architecture"] = config["model"]
-    model["overrides"] = config.get("model_overrides") or {}
+  model: dict[str, Any] = {"step": checkpoint.step,
+                           **(metadata.get("model") or _model_from_config(config))}
   if "dataset" in config:
     model["dataset"] = _public_dataset_name(str(config["dataset"]))
-  if "init_weights" in config:
-    model["pretrained_initialisation"] = config["init_weights"] is not None
   records = read_records(os.path.join(run_dir, JOURNAL_NAME))
   certificate = privacy_certificate(
       ledger,

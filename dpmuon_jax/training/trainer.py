@@ -258,6 +258,12 @@ def evaluation_fn(apply, info, images: np.ndarray, labels: np.ndarray,
   return evaluate
 
 
+def _model_description(config: TrainConfig) -> dict:
+  """The export certificate's public description of the model (no data, no secret)."""
+  return {"architecture": config.model, "overrides": dict(config.model_overrides),
+          "pretrained_initialisation": config.init_weights is not None}
+
+
 def _initial_params(params: PyTree, path: str | None) -> PyTree:
   """The model's own initialisation, or public pretrained weights from ``path``."""
   if path is None:
@@ -351,7 +357,7 @@ class ImageTask:
     return Run(setup, optimizer, step_fn, to_chunks,
                _initial_params(model.params, config.init_weights), steps_per_epoch,
                evaluate, self._results, {"learning_rate": schedule}, steps_per_epoch,
-               TRACKED, PLOTTED)
+               TRACKED, PLOTTED, _model_description(config))
 
   def _results(self, params: PyTree, history: list[dict]) -> dict:
     del params  # the last history row is its evaluation
