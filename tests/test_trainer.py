@@ -68,6 +68,18 @@ def test_resume_continues_bit_for_bit_and_refuses_changed_privacy(tmp_path, tiny
     train(_config(tmp_path, "part", resume=True), other)
 
 
+def test_a_tuple_in_the_settings_resumes_although_the_checkpoint_stores_a_list(
+    tmp_path, tiny_data):
+  """The checkpoint's JSON holds (16, 8) as [16, 8]: the same settings still resume."""
+  config = dict(model_overrides={"hidden": (16, 8)}, epochs=1)
+  assert train(_config(tmp_path, "part", max_steps=1, **config), tiny_data)["releases"] == 1
+  resumed = train(_config(tmp_path, "part", resume=True, **config), tiny_data)
+  assert resumed["releases"] == resumed["planned_steps"] == 4
+  with pytest.raises(TrainingError, match="Refusing to resume.*model_overrides"):
+    train(_config(tmp_path, "part", resume=True, model_overrides={"hidden": (16, 4)}),
+          tiny_data)
+
+
 def test_the_fingerprint_leaves_out_what_changes_no_release():
   """A GPT-2 run resumed with other evaluation settings still replays its lost releases."""
   import dataclasses

@@ -256,7 +256,8 @@ def _resume_point(task: Task, ckpt_dir: str, journal_path: str, data_sha256: str
       raise TrainingError(f"--resume: no checkpoint in {ckpt_dir}.")
     return None, None  # crashed before its first checkpoint: the journal still counts
   metadata = restore_metadata(ckpt_dir, step)
-  saved, current = metadata["privacy_config"], task.privacy_config()
+  # As the checkpoint's JSON holds it (a tuple reads back as a list).
+  saved, current = metadata["privacy_config"], json.loads(json.dumps(task.privacy_config()))
   if saved != current:
     changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
     raise TrainingError(f"Refusing to resume: the privacy configuration changed {changed}.")
