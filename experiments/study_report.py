@@ -7,14 +7,18 @@ Writes into the study's folder:
   group's rate, DiSK's κ with its white-noise variance gain κ/(2−κ) and
   whether the arm won its selection group, and the test accuracy over the
   reported seeds (mean ± std) with the largest ε any run spent;
-* ``gaps.csv``: per batch size and training length, each optimizer's test
-  accuracy minus DP-SGD's, with the standard error sqrt(s₁²/n₁ + s₂²/n₂);
+* ``gaps.csv`` (the earlier protocol only, without a selection seed): per
+  batch size and training length, each optimizer's test accuracy minus
+  DP-SGD's, with the unpaired standard error sqrt(s₁²/n₁ + s₂²/n₂);
 * ``paired_gaps.csv``: the same differences paired by seed: each seed's
   d_s, their mean and the paired standard error sd(d)/√n;
 * ``decision.csv``: the pre-registered rule on DP-Muon − DP-SGD at a fixed
-  number of epochs (:func:`decision`);
+  number of epochs (:func:`decision`), once every batch size has every
+  reported seed;
 * ``predictor.csv``: per B and training length, the recovery-threshold
-  prediction next to the observed paired gap (:func:`predictor_rows`);
+  prediction next to the observed paired gap (:func:`predictor_rows`), and
+  ``predictor_count.csv``, its hits and misses once every point has every
+  reported seed (:func:`predictor_count`);
 * ``ablation.csv``: paper 1's ablation table laid out as the paper's, this
   study's test accuracy beside paper 1's (:data:`PAPER1_TABLE`);
 * ``accuracy_vs_batch.png``: test accuracy against B per optimizer, error
@@ -191,7 +195,8 @@ def decision(study: Study, rows: list[dict], label: str = "main") -> dict | None
 
   Holds if gap(B) = mean_s d_s(B) rises strictly over the B's in increasing order, the
   d_s at the largest B all have one sign, and gap(B_max) − gap(B_min) > 3 SE with
-  SE = sd_s(d_s(B_max) − d_s(B_min))/√n. ``None`` until every B has ≥ 2 paired seeds.
+  SE = sd_s(d_s(B_max) − d_s(B_min))/√n. ``None`` until every B has every reported seed
+  of both arms (a verdict is never read from part of the seeds).
   """
   pairs = {}
   for arm in study.arms:
@@ -200,7 +205,8 @@ def decision(study: Study, rows: list[dict], label: str = "main") -> dict | None
                    and a.batch_size == arm.batch_size and a.clipping == "flat"), None)
       if base is not None:
         pairs[arm.batch_size] = _paired(study, arm, base, rows)
-  if len(pairs) < 2 or any(len(d) < 2 for d in pairs.values()):
+  seeds = set(reported_seeds(study))
+  if len(pairs) < 2 or any(set(d) != seeds for d in pairs.values()):
     return None
   sizes = sorted(pairs)
   gaps = [float(np.mean(list(pairs[b].values()))) for b in sizes]
@@ -248,6 +254,17 @@ def predictor_rows(study: Study, rows: list[dict], report: list[dict]) -> list[d
   return out
 
 
+def predictor_count(study: Study, table: list[dict]) -> list[dict]:
+  """Hits and misses of :func:`predictor_rows` over its points, counted (``hits``,
+  ``misses``) only when every DP-Muon arm is a point with every reported seed."""
+  points = sum(a.name.startswith("dp_muon_B") for a in study.arms)
+  complete = len(table) == points and all(
+      p["seeds"] == len(reported_seeds(study)) for p in table)
+  hits = sum(bool(p["hit"]) for p in table)
+  return [{"points": points, "scored": len(table), "complete": complete,
+           "hits": hits if complete else "", "misses": len(table) - hits if complete else ""}]
+
+
 def ablation_rows(summary: list[dict]) -> list[dict]:
   """Paper 1's ablation table (and DP-Muon-S, B = 2048): this study beside paper 1, in %."""
   mine = {(s["optimizer"], s["batch_size"]): s for s in summary
@@ -277,27 +294,25 @@ def _var(s: dict) -> float:
 def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None) -> None:
   summary = [arm_summary(study, arm, rows) for arm in study.arms]
   write_csv(os.path.join(out, "summary.csv"), summary, tuple(summary[0]))
-  gaps = gap_rows(summary)
-  if gaps:
-    write_csv(os.path.join(out, "gaps.csv"), gaps, tuple(gaps[0]))
+  if study.selection_seed is None:  # the earlier protocol; paired gaps replace it since
+    _write(out, "gaps.csv", gap_rows(summary))
   _write(out, "paired_gaps.csv", paired_gap_rows(study, rows))
-  _write(out, "decision.csv", [d for d in (decision(study, rows, label)
-                                           for label in _labels(study)) if d])
+  verdict = decision(study, rows)  # the rule reads the fixed-epoch ("main") arms only
+  _write(out, "decision.csv", [] if verdict is None else [verdict])
   _write(out, "ablation.csv", ablation_rows(summary))
   plot(study, summary, os.path.join(out, "accuracy_vs_batch.png"))
   report = threshold_report(study, rows, out, data_dir)
   if report:
     write_csv(os.path.join(out, "threshold_report.csv"), report, tuple(report[0]))
-  _write(out, "predictor.csv", predictor_rows(study, rows, report))
+  predictions = predictor_rows(study, rows, report)
+  _write(out, "predictor.csv", predictions)
+  if predictions:
+    _write(out, "predictor_count.csv", predictor_count(study, predictions))
 
 
 def _write(out: str, name: str, table: list[dict]) -> None:
   if table:
     write_csv(os.path.join(out, name), table, tuple(table[0]))
-
-
-def _labels(study: Study) -> list[str]:
-  return sorted({a.label for a in study.arms if a.optimizer == "dp_muon"})
 
 
 def plot(study: Study, summary: list[dict], path: str) -> None:

@@ -450,7 +450,9 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
   pairs = paired_differences(rows)
   if pairs:
     write_csv(os.path.join(out, "pairs.csv"), pairs)
-    write_csv(os.path.join(out, "decision.csv"), decide(pairs))
+    write_csv(os.path.join(out, "decision.csv"),
+              decide(pairs, rates=read_rows(os.path.join(out, "rates.csv"), RATE_FIELDS)),
+              DECISION_FIELDS)
   diagnostics = []
   for directory in dirs:
     path = os.path.join(directory, "diagnostics.csv")
@@ -502,16 +504,23 @@ def collect_curves(runs: list[tuple[Variant, float, int]], dirs: list[str]) -> l
 
 DECISION_FIELDS = ("comparison", "variant", "baseline", "target_epsilon", "seeds",
                    "d_valid_nll_per_seed", "d_valid_nll_mean", "d_valid_nll_paired_se",
-                   "all_negative", "mean_below_minus_2se", "helps")
+                   "all_negative", "mean_below_minus_2se", "helps", "all_positive",
+                   "mean_above_plus_2se", "verdict", "rates_on_edge")
 
 
-def decide(pairs: list[dict], seeds: int = 3) -> list[dict]:
+def decide(pairs: list[dict], seeds: int = 3, rates: list[dict] = ()) -> list[dict]:
   """The pre-registered rule on ``pairs.csv``'s validation NLL, per comparison and ε.
 
-  Inner momentum helps iff its paired Δ NLL is negative on every one of at
-  least ``seeds`` seeds and their mean is below −2 paired standard errors
-  (SE = sample std / √n). With fewer seeds ``helps`` is left empty (undecided).
+  With Δ = NLL(inner momentum) − NLL(baseline) per seed and SE = sample std(Δ)/√n:
+  inner momentum **helps** iff Δ < 0 on every one of at least ``seeds`` seeds and
+  mean Δ < −2 SE; the baseline (DP-Muon) is **better** iff Δ > 0 on every seed and
+  mean Δ > +2 SE; otherwise the claim is **not supported**. With fewer seeds
+  ``helps`` and ``verdict`` are left empty (undecided). ``rates`` (``rates.csv``'s
+  rows): the compared arms whose chosen rate factor is on its grid's edge, reported
+  beside the verdict they affect.
   """
+  edge = {(r["variant"], float(r["target_epsilon"])) for r in rates
+          if str(r["on_edge"]) == "True"}
   out = []
   keys = dict.fromkeys((p["comparison"], p["variant"], p["baseline"], p["target_epsilon"])
                        for p in pairs if "d_valid_nll" in p)
@@ -523,12 +532,20 @@ def decide(pairs: list[dict], seeds: int = 3) -> list[dict]:
     mean = statistics.fmean(d)
     se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
     negative, below = all(x < 0 for x in d), len(d) > 1 and mean < -2 * se
+    positive, above = all(x > 0 for x in d), len(d) > 1 and mean > 2 * se
+    decided = len(d) >= seeds
+    verdict = ("helps" if negative and below else "DP-Muon better" if positive and above
+               else "not supported")
     out.append({"comparison": key[0], "variant": key[1], "baseline": key[2],
                 "target_epsilon": key[3], "seeds": " ".join(str(p["seed"]) for p in group),
                 "d_valid_nll_per_seed": " ".join(f"{x:+.4f}" for x in d),
                 "d_valid_nll_mean": mean, "d_valid_nll_paired_se": se,
                 "all_negative": negative, "mean_below_minus_2se": below,
-                "helps": (negative and below) if len(d) >= seeds else ""})
+                "helps": (negative and below) if decided else "",
+                "all_positive": positive, "mean_above_plus_2se": above,
+                "verdict": verdict if decided else "",
+                "rates_on_edge": " ".join(label for label in key[1:3]
+                                          if (label, float(key[3])) in edge)})
   return out
 
 

@@ -169,6 +169,7 @@ def test_pilot_extends_the_grid_off_an_edge_and_each_arm_runs_at_its_choice(tmp_
   with open(tmp_path / "decision.csv") as f:
     (decision,) = list(csv.DictReader(f))  # C − A at equal releases, one seed: undecided
   assert (decision["variant"], decision["baseline"], decision["helps"]) == ("C", "A", "")
+  assert decision["verdict"] == "" and decision["rates_on_edge"] == ""
   # A rerun trains nothing: the pilot's and the runs' rows are all recorded.
   again = _RateTrainer(fake.best)
   monkeypatch.setattr(text_sweep, "train_lm", again)
@@ -214,3 +215,22 @@ def test_decision_rule_needs_every_seed_negative_and_the_mean_below_two_paired_s
   partial = text_sweep.decide([_pair("equal releases", 37, -0.3),
                                _pair("equal releases", 38, -0.3, epsilon=1.0)])
   assert [r["helps"] for r in partial] == ["", ""]  # one seed per ε: undecided
+  assert [r["verdict"] for r in partial] == ["", ""]
+  assert [helps[0]["verdict"], noisy[0]["verdict"], one_positive[0]["verdict"]] == [
+      "helps", "not supported", "not supported"]
+
+
+def test_decision_rule_names_dp_muon_better_and_the_rates_on_an_edge():
+  """The third pre-registered outcome: Δ > 0 on every seed and mean Δ > +2 paired SE."""
+  rates = [{"variant": "DP-Muon", "target_epsilon": 8.0, "on_edge": "True"},
+           {"variant": "IM", "target_epsilon": 8.0, "on_edge": "False"},
+           {"variant": "IM", "target_epsilon": 1.0, "on_edge": "True"}]
+  (better,) = text_sweep.decide([_pair("equal releases", s, d)
+                                 for s, d in ((37, 0.05), (38, 0.06), (39, 0.055))], rates=rates)
+  assert better["all_positive"] and better["mean_above_plus_2se"]
+  assert better["helps"] is False and better["verdict"] == "DP-Muon better"
+  assert better["rates_on_edge"] == "DP-Muon"  # the ε = 1 edge is another verdict's
+  (spread,) = text_sweep.decide([_pair("equal releases", s, d)
+                                 for s, d in ((37, 0.01), (38, 0.3), (39, 0.01))])
+  assert spread["all_positive"] and not spread["mean_above_plus_2se"]
+  assert spread["verdict"] == "not supported" and spread["rates_on_edge"] == ""

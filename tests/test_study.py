@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 
 import numpy as np
 import pytest
 
+from experiments import study_report
 from experiments.study import (
     Arm,
     PrivatelyTunedArm,
@@ -27,6 +29,7 @@ from experiments.study_report import (
     decision,
     noise_variance_gain,
     paired_gap_rows,
+    predictor_count,
     predictor_rows,
     write_report,
 )
@@ -184,10 +187,34 @@ def test_decision_rule_holds_only_for_a_rising_one_signed_gap_beyond_3_se():
   result = decision(study, _decision_rows(study, noisy))  # rises, one sign, within 3 SE
   assert result["rises"] and result["one_sign_at_largest_b"]
   assert not result["change_exceeds_3_se"] and not result["holds"]
+  # Undecided until every B has every reported seed: two seeds that agree decide nothing.
+  without_44 = [r for r in _decision_rows(study, rising) if not (
+      r["arm"] == "dp_muon_B4096" and r["seed"] == "4")]
+  assert decision(study, without_44) is None
   gaps = {g["batch_size"]: g for g in paired_gap_rows(study, _decision_rows(study, rising))}
   assert gaps[4096]["gap"] == pytest.approx(np.mean(rising[4096]))
   assert gaps[4096]["paired_standard_error"] == pytest.approx(
       np.std(rising[4096], ddof=1) / np.sqrt(3))
+
+
+def test_report_decides_on_the_fixed_epoch_arms_only_and_pairs_every_gap(tmp_path, monkeypatch):
+  """decision.csv holds the pre-registered (fixed-epoch, "main") verdict alone; the
+  66-release arms are reported as paired gaps; no unpaired gaps.csv."""
+  main = _decision_study()
+  t66 = (Arm("dp_sgd", 256, 0.1, releases=2, label="T66"),
+         Arm("dp_muon", 256, 0.1, releases=2, label="T66", fallback_lr_from="dp_sgd_B256_T66"))
+  study = dataclasses.replace(main, arms=main.arms + t66)
+  rising = {256: (0.00, -0.01, 0.01), 1024: (0.02, 0.03, 0.02), 4096: (0.07, 0.08, 0.07)}
+  rows = _decision_rows(study, rising)
+  monkeypatch.setattr(study_report, "threshold_report", lambda *args: [])  # no data here
+  write_report(study, rows, str(tmp_path), None)
+  with open(tmp_path / "decision.csv") as f:
+    (verdict,) = list(csv.DictReader(f))
+  assert verdict["label"] == "main" and verdict["holds"] == "True"
+  with open(tmp_path / "paired_gaps.csv") as f:
+    labels = {(r["arm"], r["label"]) for r in csv.DictReader(f)}
+  assert ("dp_muon_B256_T66", "T66") in labels
+  assert not (tmp_path / "gaps.csv").exists()
 
 
 def test_predictor_counts_layers_above_at_init_and_scores_the_sign():
@@ -200,6 +227,10 @@ def test_predictor_counts_layers_above_at_init_and_scores_the_sign():
   assert [table[b]["predicted"] for b in (256, 1024, 4096)] == [
       "does not help", "does not help", "helps"]
   assert [table[b]["hit"] for b in (256, 1024, 4096)] == [True, False, True]
+  (count,) = predictor_count(study, list(table.values()))
+  assert (count["points"], count["complete"], count["hits"], count["misses"]) == (3, True, 2, 1)
+  (partial,) = predictor_count(study, [table[256], table[4096]])  # a point still missing
+  assert not partial["complete"] and partial["hits"] == partial["misses"] == ""
 
 
 def test_paper1_ablation_study_is_designed_as_its_readme_says():
