@@ -454,11 +454,11 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
               decide(pairs, rates=read_rows(os.path.join(out, "rates.csv"), RATE_FIELDS)),
               DECISION_FIELDS)
   diagnostics = []
-  for directory in dirs:
+  for (_, _, seed), directory in zip(runs, dirs):
     path = os.path.join(directory, "diagnostics.csv")
     if os.path.exists(path):
-      with open(path) as f:
-        diagnostics += list(csv.DictReader(f))
+      with open(path) as f:  # labelled with the study's (published) seed of the run
+        diagnostics += [{**d, "seed": seed} for d in csv.DictReader(f)]
   if diagnostics:
     write_csv(os.path.join(out, "diagnostics.csv"), diagnostics)
     protocol = summarise_protocol([_protocol_row(d) for d in diagnostics])

@@ -21,6 +21,7 @@ from dpmuon_jax.privacy.release import GaussianReleaseState
 from dpmuon_jax.training.checkpoint import latest_good_step, restore_metadata
 from dpmuon_jax.training.compare import compare_optimizers
 from dpmuon_jax.training.trainer import TrainConfig, train
+from tests.run_files import public_files
 
 PARAMS = {"w": jnp.zeros((3,))}
 
@@ -161,13 +162,15 @@ def test_compare_gives_every_run_its_own_root_and_keeps_the_seed_out_of_results(
 
 
 def test_a_seeded_run_writes_no_seed_into_its_public_outputs(tmp_path, tiny_data):
+  """A seeded run's root key is (0, seed): the seed stays in the secret files."""
   out = tmp_path / "seeded"
   train(TrainConfig(model="mlp", dataset="tiny", epsilon=3.0, delta=1e-3, batch_size=16,
-                    epochs=1, max_steps=1, seed=123456, output_dir=str(out), progress=False,
-                    plot=False), tiny_data)
-  public = [out / "results.json", out / "history.csv", *(out / "export").iterdir()]
+                    epochs=1, max_steps=1, seed=908172635, output_dir=str(out), progress=False,
+                    plot=True), tiny_data)
+  public = public_files(out)
+  assert {"results.json", "history.csv", "curves.png"} <= {p.name for p in public}
   for path in public:
-    assert b"123456" not in path.read_bytes(), path
+    assert b"908172635" not in path.read_bytes(), path
 
 
 def test_dpmuon_compare_defaults_to_os_entropy():

@@ -5,11 +5,13 @@ import dataclasses
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe
 from dpmuon_jax.privacy.accounting import compute_epsilon
 from dpmuon_jax.text.data import encode_pairs, load_text_dataset
 from dpmuon_jax.text.hf_weights import save_hf_gpt2
@@ -24,6 +26,7 @@ from dpmuon_jax.transforms.history import ordered_history, param_history
 from experiments import text_sweep
 from experiments.pretrain_public import sha256_file
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant, im_preset
+from tests.run_files import public_files
 
 TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
 needs_text_data = pytest.mark.skipif(
@@ -128,6 +131,25 @@ def test_a_fine_tuned_export_describes_the_loaded_model_not_the_preset(tmp_path)
   assert model["architecture"] == "gpt2" and model["pretrained_initialisation"]
   assert model["shape"] == json.loads(json.dumps(gpt2_config._asdict()))
   assert "preset" not in model and "overrides" not in model
+
+
+@needs_text_data
+def test_the_probe_leaves_training_bit_identical_and_publishes_no_seed(tmp_path):
+  """The NON-PRIVATE inner-momentum probe (left out of the fingerprint) changes no
+  parameter, and a seeded run's public files (diagnostics.csv included) hold no seed: it
+  is the run's root key."""
+  seed = 908172635
+  probed = _tiny_config(tmp_path / "probed", seed=seed, diagnostic_steps=(1, 2),
+                        diagnostic_examples=4, generate_splits=())
+  plain = dataclasses.replace(probed, output_dir=str(tmp_path / "plain"), diagnostic_steps=())
+  train_lm(probed, InnerMomentumProbe())
+  train_lm(plain)
+  exported = [load_exported(os.path.join(c.output_dir, "export")).params for c in (probed, plain)]
+  chex.assert_trees_all_equal(*exported)
+  public = public_files(probed.output_dir)
+  assert "diagnostics.csv" in {p.name for p in public}
+  for path in public:
+    assert str(seed).encode() not in path.read_bytes(), path
 
 
 @needs_text_data

@@ -393,7 +393,9 @@ class InnerMomentumProbe(NamedTuple):
            config: Any, probe_batch: PyTree) -> list[ProtocolRow]:
     """The protocol's rows at one checkpoint (``config``: the run's ``LMTrainConfig``)."""
     settings = config.optimizer_kwargs
-    checkpoint = ProtocolCheckpoint(params, past_states, config.seed or 0, step)
+    # Rows are labelled seed 0: a seeded run's seed is its root key (SECRET), and these
+    # rows are written to the run's public diagnostics.csv.
+    checkpoint = ProtocolCheckpoint(params, past_states, 0, step)
     return nonprivate_im_protocol(
         loss_fn, [checkpoint], config.clip, settings.get("decay", 0.5),
         settings.get("history", 1), probe_batch, routing=self.routing).rows
