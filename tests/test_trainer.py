@@ -10,6 +10,7 @@ import pytest
 from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.accounting import compute_epsilon
 from dpmuon_jax.training.checkpoint import TrainingCheckpoint, latest_step, restore_checkpoint
+from dpmuon_jax.training.journal import JOURNAL_NAME
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 
 
@@ -78,6 +79,20 @@ def test_a_tuple_in_the_settings_resumes_although_the_checkpoint_stores_a_list(
   with pytest.raises(TrainingError, match="Refusing to resume.*model_overrides"):
     train(_config(tmp_path, "part", resume=True, model_overrides={"hidden": (16, 4)}),
           tiny_data)
+
+
+@pytest.mark.parametrize("optimizer, options", [
+    ("dp_disk_sgd", {"kappa": 0.5, "gamma": 0.8, "reference_noise_rescaling": True}),
+    ("dp_sgd", {"neighbouring": "replace_one"}),
+])
+def test_an_optimizer_releasing_otherwise_than_accounted_is_refused_before_any_release(
+    tmp_path, tiny_data, optimizer, options):
+  """σ (or the relation) the optimizer releases at must be the one the ledger charges:
+  refused before the first journal entry, so no release is ever made."""
+  config = _config(tmp_path, "refused", optimizer=optimizer, optimizer_options=options)
+  with pytest.raises(TrainingError, match="other privacy settings"):
+    train(config, tiny_data)
+  assert not os.path.exists(os.path.join(config.output_dir, JOURNAL_NAME))
 
 
 def test_the_fingerprint_leaves_out_what_changes_no_release():

@@ -443,23 +443,35 @@ class PrivacyLedger:
         self.accounting_noise_multiplier, self.config.sampling_rate, steps
     )
 
-  def record(self, sampler: Any, release: Any, count: int = 1) -> None:
-    """Records ``count`` releases made with ``sampler`` and ``release``.
+  def check(self, sampler: Any, release: Any) -> None:
+    """Refuses ``sampler`` and ``release`` unless they release as the ledger accounts.
+
+    Call it before the first release (as the trainer does): :meth:`record` makes the
+    same comparison, but only after a release was made.
 
     Raises:
       ValueError: if q, N, σ, C, D or the neighbouring relation read from the
         objects differ from the ledger's.
     """
-    _check_steps(count)
     c = self.config
     theirs = _config(sampler, release, c.target_delta, c.target_epsilon, c.accountant)
     diff = _differences(c, theirs, _RELEASE_FIELDS)
     if diff:
       raise ValueError(
-          "This release was made under other privacy settings than the ledger accounts for ("
+          "This release is made under other privacy settings than the ledger accounts for ("
           + "; ".join(diff)
           + "). Build a new ledger for a new configuration."
       )
+
+  def record(self, sampler: Any, release: Any, count: int = 1) -> None:
+    """Records ``count`` releases made with ``sampler`` and ``release``.
+
+    Raises:
+      ValueError: if q, N, σ, C, D or the neighbouring relation read from the
+        objects differ from the ledger's (:meth:`check`).
+    """
+    _check_steps(count)
+    self.check(sampler, release)
     self.seeded = bool(self.seeded or sampler.seeded or _release_spec(release).seeded)
     self.count += int(count)
 

@@ -332,6 +332,10 @@ def _build(task: Task, root: RootKey) -> _Placed:
   mesh = _train_mesh(config, _num_devices(config) if config.mesh is None else 1)
   rows_devices = 1 if mesh is None else dict(mesh.shape)[DATA_AXIS]
   run = task.build(root, mesh, rows_devices)
+  try:  # an optimizer releasing at another σ (or C, D, relation) than σ was set for
+    run.setup.ledger.check(run.setup.sampler, run.optimizer)
+  except ValueError as error:
+    raise TrainingError(f"{config.optimizer}: {error}") from None
   _check_layouts(mesh, run.initial_params)
   steps = run.setup.steps
   return _Placed(run, mesh, steps if config.max_steps is None else min(steps, config.max_steps))

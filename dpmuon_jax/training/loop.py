@@ -88,6 +88,8 @@ def run_releases(
     ``end``) or ``"budget"``.
   """
   hooks = Hooks() if hooks is None else hooks
+  if ledger is not None:  # before the first release, not after it
+    ledger.check(sampler, optimizer)
   while state.step < end:
     if ledger is not None and not ledger.can_release(1):
       return state, BUDGET
