@@ -6,6 +6,7 @@ the clipping rule a sum was made with must be the release's. Each test here
 fails on a ``ClippedSum`` without a seal, a norm bound or a recorded rule.
 """
 
+import copy
 import warnings
 
 import jax
@@ -22,6 +23,7 @@ from dpmuon_jax.privacy.query import (
   clipped_sum,
   fingerprint,
   gradient_query,
+  zeros_clipped_sum,
 )
 from dpmuon_jax.privacy.release import gaussian_noise_like
 from dpmuon_jax.training.step import make_private_step
@@ -134,6 +136,24 @@ def test_adding_a_sum_to_itself_is_refused():
     sum([cs, cs])
   with pytest.raises(ValueError, match="twice"):
     cs.add_disjoint(cs)
+
+
+def test_a_sum_added_to_a_copy_of_itself_is_refused_eagerly_and_under_jit():
+  """2S over the same examples (a copy, an identity map, the same sum passed twice to a
+  jitted function) would be released at sensitivity C: its seal fails instead."""
+  params, cs = _genuine()
+  doubled = [cs.add_disjoint(copy.copy(cs)), cs.add_disjoint(jax.tree.map(lambda x: x, cs)),
+             jax.jit(lambda a, b: a.add_disjoint(b))(cs, cs)]
+  for twice in doubled:
+    assert float(twice.stats.num_examples) == 2 * float(cs.stats.num_examples)
+    assert not bool(twice.seal_holds())
+    release = _release()
+    with pytest.raises(ValueError, match="changed after clipping"):
+      release.update(twice, release.init(params), params)
+  # Empty sums (an empty overflow chunk) still add, to each other and to a real sum.
+  empty = zeros_clipped_sum(params, C)
+  assert bool(empty.add_disjoint(zeros_clipped_sum(params, C)).seal_holds())
+  assert bool(cs.add_disjoint(empty).seal_holds())
 
 
 def test_add_disjoint_equals_the_sum_of_the_totals_and_is_released():

@@ -194,8 +194,10 @@ class ClippedSum:
   ``jax.tree.map(f, s)``, or ``jax.tree.unflatten`` with other leaves (those
   of a sum clipped with another rule included), gives a ``ClippedSum`` whose
   seal no longer matches, and the release refuses it. ``s + s`` and
-  ``s.add_disjoint(s)`` are refused; sums over DISJOINT example sets are added
-  with :meth:`add_disjoint`.
+  ``s.add_disjoint(s)`` are refused, and so is the sum of ``s`` with a copy of
+  itself (equal seals); sums over DISJOINT example sets are added with
+  :meth:`add_disjoint`. Sums over overlapping but unequal example sets cannot
+  be told apart from disjoint ones: that is the caller's promise.
 
   To release a sum clipped by your own code, say so explicitly with
   :meth:`assume_clipped`: you then guarantee the sensitivity yourself.
@@ -294,7 +296,9 @@ class ClippedSum:
     Both must come from the same clipping rule. The sensitivity stays C only
     because no example is in both; adding a sum to itself (or to one that
     shares examples) voids the guarantee. If either operand's seal fails, so
-    does the result's, and the release refuses it.
+    does the result's, and the release refuses it. Two non-empty sums with
+    equal seals (a sum and its copy, or the same sum passed twice to a jitted
+    function) are one sum over the same examples: the result's seal fails too.
     """
     if not isinstance(other, ClippedSum) or other._rule != self._rule:
       raise ValueError("Only clipped sums with the same clipping rule (bound and grid) can "
@@ -306,8 +310,14 @@ class ClippedSum:
         jax.tree.map(jnp.add, self.total, other.total),
         self.clipping,
         self.stats + other.stats,
-        valid=self.seal_holds() & other.seal_holds(),
+        valid=self.seal_holds() & other.seal_holds() & ~self._same_nonempty_sum(other),
     )
+
+  def _same_nonempty_sum(self, other: ClippedSum) -> jax.Array:
+    """Whether both seals are equal over ≥ 1 example: a copy of one sum, not a disjoint one
+    (disjoint sums over real examples are bit-identical only if every summed vector is)."""
+    same = jnp.all(jnp.asarray(self.seal) == jnp.asarray(other.seal))
+    return same & (self.stats.num_examples > 0) & (other.stats.num_examples > 0)
 
   def psum(self, axis_name: str) -> ClippedSum:
     """Σ over a mapped axis of per-device sums of disjoint rows (max for ``norm_max``)."""
