@@ -69,7 +69,8 @@ def main(model: int, quick: bool) -> None:
   batch, mask = shard_batch(mesh, batch, np.arange(batch_rows) < batch_rows - 1)
   step = make_private_step(opt, lm_loss(apply), mesh=mesh)
   overflow = step.empty_overflow(params)
-  memory = step.step.lower(params, state, batch, mask, overflow).compile().memory_analysis()
+  memory = step.sealed_step.lower(params, state, batch, mask,
+                                 overflow).compile().memory_analysis()
   step_s = _timed(lambda p, s: step(p, s, [(batch, mask)]).params, params, state,
                   repeats=1 if quick else 3)
   result = {"model": model, "state_bytes_per_device": per_device_bytes((params, state)),

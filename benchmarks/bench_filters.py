@@ -62,7 +62,7 @@ def build(name: str, batch_size: int, microbatch: int):
   # One step first, so DiSK's recorded update d_1 is non-zero (as in training).
   params, state, _ = step.step(params, state, batch, mask, overflow)
   args = (params, state, batch, mask, overflow)
-  compiled = step.step.lower(*args).compile()
+  compiled = step.sealed_step.lower(*args).compile()  # -> (StepOutput, the sum's seal)
   jax.block_until_ready(compiled(*args))
   return compiled, args
 

@@ -185,7 +185,7 @@ def _private_step(s: Spec, loss_fn: Callable, params: Any, batch: Any, mask: Any
   except ValueError as e:
     raise Unavailable(str(e).split(";")[0]) from e
   args = (params, opt.init(params), batch, mask, private.empty_overflow(params))
-  return private.step.lower(*args).compile(), args
+  return private.sealed_step.lower(*args).compile(), args  # -> (StepOutput, the sum's seal)
 
 
 def jax_step(s: Spec, scale: Scale) -> tuple[Callable[[], Any], dict]:
@@ -201,7 +201,8 @@ def jax_step(s: Spec, scale: Scale) -> tuple[Callable[[], Any], dict]:
   carry = list(args)
 
   def run():
-    carry[:2] = jax.block_until_ready(compiled(*carry))[:2]
+    out = jax.block_until_ready(compiled(*carry))
+    carry[:2] = (out if s.method == "nonprivate" else out[0])[:2]  # private: (StepOutput, seal)
 
   analysis = compiled.memory_analysis()
   facts = {"params": sum(x.size for x in jax.tree.leaves(params)),

@@ -81,8 +81,8 @@ def build(name: str, batch_size: int, microbatch: int | None, workload: str = "c
   step = make_private_step(opt, loss_fn, microbatch_size=microbatch)
   state = opt.init(params)
   args = (params, state, batch, mask, step.empty_overflow(params))
-  compiled = step.step.lower(*args).compile()
-  out = compiled(*args)  # warm-up; then one step so the IM history is non-trivial
+  compiled = step.sealed_step.lower(*args).compile()  # -> (StepOutput, the sum's seal)
+  out, _ = compiled(*args)  # warm-up; then one step so the IM history is non-trivial
   args = (out.params, out.opt_state, batch, mask, args[-1])
   jax.block_until_ready(compiled(*args))
   return compiled, args

@@ -2,9 +2,9 @@
 
 import pathlib
 
-from dpmuon_jax.training.journal import HIGH_WATER_NAME, JOURNAL_NAME
+from dpmuon_jax.training.journal import HIGH_WATER_NAME, JOURNAL_NAME, SEALS_NAME
 
-SECRET = ("checkpoints", JOURNAL_NAME, HIGH_WATER_NAME)  # the root key, or key indices
+SECRET = ("checkpoints", JOURNAL_NAME, HIGH_WATER_NAME, SEALS_NAME)  # keys, sums' digests
 
 
 def public_files(run_dir) -> list[pathlib.Path]:

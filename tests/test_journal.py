@@ -10,18 +10,25 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 
 import chex
+import jax
+import jax.numpy as jnp
 import pytest
 
+from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.release import noise_counter
+from dpmuon_jax.training import trainer
 from dpmuon_jax.training.journal import (
+    SEALS_NAME,
     JournalEntry,
     ResumePlan,
     append_entry,
     plan_resume,
     read_high_water,
     read_journal,
+    read_seals,
 )
 from dpmuon_jax.training.trainer import JOURNAL_NAME, TrainConfig, TrainingError, train
 from tests.test_trainer import _final
@@ -99,6 +106,44 @@ def test_resume_with_identical_settings_replays_bit_for_bit_without_double_charg
   a = _final(config.output_dir, tiny_data, config)
   b = _final(straight["config"]["output_dir"], tiny_data, config)
   chex.assert_trees_all_equal(a.params, b.params)
+
+
+def test_a_replay_whose_clipped_sum_differs_is_discarded_and_the_lost_release_charged(
+    tmp_path, tiny_data, capsys, monkeypatch):
+  """The code changed between the crash and the resume (here the loss; the fingerprint
+  cannot see code): the recomputed lost release's clipped sum is not the one released
+  with its key, so that key is never applied to it; the lost release is charged and the
+  step redone with a fresh key."""
+  config = _crash_after(tmp_path, "other_sum", tiny_data, 4)
+  journal = os.path.join(config.output_dir, JOURNAL_NAME)
+  assert sorted(read_seals(journal)) == [0, 1, 2, 3]  # one per release, key 3 lost
+  seals_file = os.path.join(config.output_dir, SEALS_NAME)
+  assert stat.S_IMODE(os.stat(seals_file).st_mode) == 0o600  # digests of private sums
+
+  def edited_model_and_loss(*args, **kwargs):
+    model, loss_fn = model_and_loss(*args, **kwargs)
+    drift = lambda params: 0.1 * sum(jnp.sum(jnp.sin(p)) for p in jax.tree.leaves(params))
+    return model, lambda params, *rest: loss_fn(params, *rest) + drift(params)
+
+  monkeypatch.setattr(trainer, "model_and_loss", edited_model_and_loss)
+  resumed = train(_config(tmp_path, "other_sum", resume=True, max_steps=6), tiny_data)
+  assert "differs from the one made before it" in capsys.readouterr().out
+  # 3 checkpointed + 1 lost (charged) + 3 new (steps 3, 4, 5, keys 4, 5, 6) releases.
+  assert resumed["releases"] == 7
+  assert noise_counter(_final(config.output_dir, tiny_data, config).opt_state) == 7
+  assert sorted(read_seals(journal)) == list(range(7))  # key 3's seal: the original's only
+
+
+def test_lost_releases_without_their_seals_are_charged_not_replayed(tmp_path, tiny_data, capsys):
+  """Only the last lost release (in flight at the crash, never seen) may lack a seal."""
+  config = _crash_after(tmp_path, "unsealed", tiny_data, 4)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints", "3"))  # lost: keys 2 and 3
+  os.remove(os.path.join(config.output_dir, SEALS_NAME))
+  resumed = train(_config(tmp_path, "unsealed", resume=True, max_steps=6), tiny_data)
+  assert "cannot be replayed" in capsys.readouterr().out
+  assert resumed["releases"] == 2 + 2 + 4  # checkpointed, lost (charged), steps 2..5
+  assert plan_resume([JournalEntry(2, 2, "f"), JournalEntry(3, 3, "f")], 2, 2, "f",
+                     sealed={2}) == ResumePlan(2, 0, 4)  # the last may lack its seal
 
 
 def test_lost_releases_not_redone_are_still_charged(tmp_path, tiny_data):

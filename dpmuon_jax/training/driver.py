@@ -82,12 +82,22 @@ from dpmuon_jax.training.journal import (
     JOURNAL_NAME,
     JournalEntry,
     append_entry,
+    append_seal,
     check_settings,
     mend_torn_line,
     plan_resume,
     read_records,
+    read_seals,
 )
-from dpmuon_jax.training.loop import BUDGET, COMPLETED, Hooks, LoopState, run_releases
+from dpmuon_jax.training.loop import (
+    BUDGET,
+    COMPLETED,
+    REPLAY_MISMATCH,
+    Hooks,
+    LoopState,
+    host_words,
+    run_releases,
+)
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import PrivateStep, StepOutput
 from dpmuon_jax.training.tracking import MissingExtraError, history_tags, tensorboard_writer
@@ -418,6 +428,7 @@ def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, roo
       records, start, key_index, fingerprint,
       # Secure noise comes from OS entropy at every release: it never replays.
       replayable=(metadata is not None or root.seeded) and not run.optimizer.release.secure_noise,
+      sealed=read_seals(journal_path).keys(),
   )
   if plan.charge_now:
     ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now)
@@ -491,11 +502,9 @@ def run_task(task: Task) -> dict:
   bar = _progress(placed.end, start, config.progress and is_primary())
   tracker = _open_tracker(config.log_dir if is_primary() else None, start)
   clock = _Clock.start()
-  hooks = Hooks(before=before,
+  hooks = Hooks(before=before, **_seal_hooks(journal_path, plan.replay_until),
                 after=_after_release(task, placed, ledger, history, bar, save, tracker, clock))
-  state, stop_reason = run_releases(
-      run.step_fn, state, placed.end, sampler=run.setup.sampler, optimizer=run.optimizer,
-      to_chunks=run.to_chunks, ledger=ledger, hooks=hooks)
+  state, stop_reason = _releases(placed, ledger, state, hooks, plan.replay_until)
   state, stop_reason = _settled(placed, ledger, plan.replay_until, state, stop_reason,
                                 config.epsilon)
   if bar is not None:
@@ -506,6 +515,47 @@ def run_task(task: Task) -> dict:
                     root.seeded)
   _close_tracker(tracker, history, run.tracked)
   return results
+
+
+def _seal_hooks(journal_path: str, replay_until: int) -> dict[str, Callable]:
+  """Journal each release's seal at once; a replay must release a sum of the recorded seal."""
+  seals = read_seals(journal_path)
+
+  def sealed(state: LoopState, seal) -> None:
+    words = host_words(seal)  # on every process: the step ends here, as on process 0
+    if is_primary():  # before anything of the release can be seen
+      append_seal(journal_path, state.key_index, words)
+
+  def expected_seal(state: LoopState):
+    return seals.get(state.key_index) if state.key_index < replay_until else None
+
+  return {"sealed": sealed, "expected_seal": expected_seal}
+
+
+def _releases(placed: _Placed, ledger: PrivacyLedger, state: LoopState, hooks: Hooks,
+              replay_until: int) -> tuple[LoopState, str]:
+  """The loop's releases. A replayed release whose clipped sum is not the recorded one is
+  discarded unseen; it and the lost releases after it are charged, their keys skipped,
+  and the run goes on with fresh keys."""
+  run = placed.run
+  while True:
+    state, stop_reason = run_releases(
+        run.step_fn, state, placed.end, sampler=run.setup.sampler, optimizer=run.optimizer,
+        to_chunks=run.to_chunks, ledger=ledger, hooks=hooks)
+    if stop_reason != REPLAY_MISMATCH:
+      return state, stop_reason
+    state = _skip_lost(run, ledger, state, replay_until)
+    print(f"The release at step {state.step + 1} recomputed after the crash differs from the "
+          f"one made before it: the lost releases are charged (ε = {ledger.epsilon():.4f}), "
+          "fresh noise from here.")
+
+
+def _skip_lost(run: Run, ledger: PrivacyLedger, state: LoopState,
+               replay_until: int) -> LoopState:
+  """Charges the lost releases from ``state.key_index`` up to ``replay_until``, skips their keys."""
+  ledger.record(run.setup.sampler, run.optimizer, count=replay_until - state.key_index)
+  return state._replace(opt_state=with_noise_counter(state.opt_state, replay_until),
+                        key_index=replay_until)
 
 
 def _settled(placed: _Placed, ledger: PrivacyLedger, replay_until: int, state: LoopState,
@@ -520,9 +570,7 @@ def _settled(placed: _Placed, ledger: PrivacyLedger, replay_until: int, state: L
           f"ε = {epsilon} (spent {ledger.epsilon():.4f}). Checkpoint saved.")
   if state.key_index < replay_until:
     # Lost releases this run did not redo still happened: charge them, skip their keys.
-    ledger.record(run.setup.sampler, run.optimizer, count=replay_until - state.key_index)
-    state = state._replace(opt_state=with_noise_counter(state.opt_state, replay_until),
-                           key_index=replay_until)
+    state = _skip_lost(run, ledger, state, replay_until)
   return state, stop_reason
 
 

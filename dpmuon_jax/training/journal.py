@@ -32,6 +32,18 @@ Every entry also records the privacy settings the release was made under (q,
 configuration), so lost releases are charged exactly as they were made, and a
 resume under other settings is refused even when no checkpoint is left.
 
+A replay is checked, not assumed: right after each release, before anything
+of it can be seen (a history row, a checkpoint, a printed line), the trainer
+appends the **seal** of the clipped sum it released (a 64-bit digest of the
+sum's bits) to :data:`SEALS_NAME`. A resumed run recomputes each lost release
+and adds its noise only when the sum's seal equals the recorded one; on a
+mismatch (code, weights or the machine's rounding changed, or a
+non-deterministic kernel) the recomputed release is discarded unseen, and it
+and the lost releases after it are charged with their keys skipped. The last
+lost release may have no seal (the crash came during it): nothing of it was
+seen, so it is redone with its key; an earlier lost release without a seal
+(the seals file lost) is never replayed.
+
 A **high-water mark** is kept apart from the journal (:data:`HIGH_WATER_NAME`,
 rewritten atomically before every release, after its journal line): the last
 key index used and its settings. A journal that was truncated or deleted
@@ -43,12 +55,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from dpmuon_jax.training.secret_files import private_open, write_private_file
 
 JOURNAL_NAME = "release_journal.jsonl"
 HIGH_WATER_NAME = "release_high_water.json"
+SEALS_NAME = "release_seals.jsonl"  # SECRET: digests of the private clipped sums
 
 
 class JournalEntry(NamedTuple):
@@ -123,6 +137,36 @@ def read_records(journal_path: str) -> list[JournalEntry]:
   return entries + missing
 
 
+def _seals_path(journal_path: str) -> str:
+  return os.path.join(os.path.dirname(os.path.abspath(journal_path)), SEALS_NAME)
+
+
+def append_seal(journal_path: str, key_index: int, seal: Sequence[int]) -> None:
+  """Records (synced, owner-only) the seal of the clipped sum released with ``key_index``."""
+  line = json.dumps({"key_index": int(key_index), "seal": [int(w) for w in seal]})
+  with private_open(_seals_path(journal_path), "a") as f:
+    f.write(line + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_seals(journal_path: str) -> dict[int, tuple[int, ...]]:
+  """The recorded seal of each key index (the latest where a replay recorded it again);
+  a torn last line is ignored (its release had not been seen)."""
+  path = _seals_path(journal_path)
+  if not os.path.exists(path):
+    return {}
+  seals = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+        seals[int(record["key_index"])] = tuple(int(w) for w in record["seal"])
+      except (ValueError, KeyError, TypeError):
+        continue  # torn while being written
+  return seals
+
+
 def releases_after(entries: list[JournalEntry], key_index: int) -> int:
   """How many releases the records show at key indices ``key_index`` and above."""
   return len({e.key_index for e in entries if e.key_index >= key_index})
@@ -194,6 +238,7 @@ def plan_resume(
     checkpoint_key_index: int,
     fingerprint: str,
     replayable: bool = True,
+    sealed: Collection[int] | None = None,
 ) -> ResumePlan:
   """Decides whether the releases lost after a checkpoint are replayed or charged.
 
@@ -204,6 +249,8 @@ def plan_resume(
     fingerprint: the resumed run's fingerprint.
     replayable: False when releases cannot be recomputed bit for bit (noise
       from OS entropy at every release): lost releases are then always charged.
+    sealed: the key indices with a recorded seal (:func:`read_seals`); every lost
+      release but the last needs one to be replayed. ``None``: not required.
   """
   start = checkpoint_key_index
   lost = {e.key_index: e for e in entries if e.key_index >= start}
@@ -213,7 +260,7 @@ def plan_resume(
   same = replayable and indices == list(range(start, start + len(indices))) and all(
       lost[k].fingerprint == fingerprint and lost[k].step == checkpoint_step + (k - start)
       for k in indices
-  )
+  ) and (sealed is None or all(k in sealed for k in indices[:-1]))
   if same:
     return ResumePlan(start, 0, start + len(indices))
   return ResumePlan(indices[-1] + 1, len(indices), indices[-1] + 1)

@@ -6,6 +6,8 @@
       stop if one more release would exceed the budget (the ledger)
       before(t)                       e.g. journal the release, non-private probes
       Poisson sample with key index k ─► padded chunks ─► ONE private step
+      a replay: stop unless its clipped sum's seal is the recorded one
+      sealed(t, seal)                 e.g. journal the seal (SECRET)
       k ← k + 1;  ledger.record(...)
       after(t + 1)                    e.g. evaluate, log, checkpoint
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
 import optax
 
 from dpmuon_jax.privacy.accounting import PrivacyLedger
@@ -31,7 +35,7 @@ from dpmuon_jax.training.step import PrivateStep, StepOutput
 PyTree = Any
 Chunks = Sequence[tuple[PyTree, Any]]
 
-COMPLETED, BUDGET = "completed", "budget"
+COMPLETED, BUDGET, REPLAY_MISMATCH = "completed", "budget", "replay_mismatch"
 
 
 class LoopState(NamedTuple):
@@ -49,12 +53,25 @@ class Hooks(NamedTuple):
   Attributes:
     before: ``before(state)`` before release ``state.step`` (e.g. write the
       journal record that must precede it).
+    expected_seal: ``expected_seal(state) -> seal or None``: a replayed release must
+      release a clipped sum of this seal; otherwise its output is discarded unseen
+      and the loop stops (``"replay_mismatch"``) before recording it.
+    sealed: ``sealed(state, seal)`` right after the release of key index
+      ``state.key_index``, before anything else (e.g. journal the SECRET seal).
     after: ``after(previous, state, out)`` after it; ``out`` carries the
       NON-PRIVATE clip statistics of the step.
   """
 
   before: Callable[[LoopState], None] | None = None
+  expected_seal: Callable[[LoopState], Sequence[int] | None] | None = None
+  sealed: Callable[[LoopState, Any], None] | None = None
   after: Callable[[LoopState, LoopState, StepOutput], None] | None = None
+
+
+def host_words(seal: Any) -> tuple[int, ...]:
+  """A seal's words on this host (from one local copy: it is replicated everywhere)."""
+  local = seal.addressable_data(0) if isinstance(seal, jax.Array) else seal
+  return tuple(int(w) for w in np.asarray(local).ravel())
 
 
 def run_releases(
@@ -85,7 +102,7 @@ def run_releases(
 
   Returns:
     The final state and why the loop stopped: ``"completed"`` (reached
-    ``end``) or ``"budget"``.
+    ``end``), ``"budget"`` or ``"replay_mismatch"`` (:attr:`Hooks.expected_seal`).
   """
   hooks = Hooks() if hooks is None else hooks
   if ledger is not None:  # before the first release, not after it
@@ -96,7 +113,12 @@ def run_releases(
     if hooks.before is not None:
       hooks.before(state)
     chunks = to_chunks(sampler.sample(state.key_index), state.key_index)
-    out = step_fn(state.params, state.opt_state, chunks)
+    out, seal = step_fn.released(state.params, state.opt_state, chunks)
+    expected = None if hooks.expected_seal is None else hooks.expected_seal(state)
+    if expected is not None and host_words(seal) != tuple(expected):
+      return state, REPLAY_MISMATCH  # another sum under a used key: ``out`` is never seen
+    if hooks.sealed is not None:
+      hooks.sealed(state, seal)
     previous = state
     state = LoopState(out.params, out.opt_state, state.step + 1, state.key_index + 1)
     if ledger is not None:

@@ -14,7 +14,7 @@ clipped sums are computed by :attr:`PrivateStep.clipped_sum` and passed in as
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import optax
@@ -48,26 +48,40 @@ class PrivateStep(NamedTuple):
   """``step(params, opt_state, batch, mask, overflow)`` and its chunk helper.
 
   Attributes:
-    step: jitted; ``overflow`` is a :class:`ClippedSum` of extra chunks (use
-      :attr:`empty_overflow` when there are none).
+    sealed_step: jitted ``(params, opt_state, batch, mask, overflow) -> (StepOutput,
+      seal)``; ``seal`` is the released clipped sum's (SECRET: a digest of the
+      private sum; the trainer journals it owner-only, so that a resumed run
+      redoes a lost release with its noise key only on the same sum).
     clipped_sum: jitted ``(params, opt_state, batch, mask) -> ClippedSum`` for
       one chunk.
     empty_overflow: ``(params) -> ClippedSum`` of zeros.
   """
 
-  step: Callable[..., StepOutput]
+  sealed_step: Callable[..., tuple[StepOutput, jax.Array]]
   clipped_sum: Callable[[PyTree, optax.OptState, PyTree, jax.Array], ClippedSum]
   empty_overflow: Callable[[PyTree], ClippedSum]
+
+  def step(self, params: PyTree, opt_state: optax.OptState, batch: PyTree, mask: jax.Array,
+           overflow: ClippedSum) -> StepOutput:
+    """One release of ``(batch, mask)`` plus ``overflow``, a :class:`ClippedSum` of extra
+    chunks (use :attr:`empty_overflow` when there are none)."""
+    return self.sealed_step(params, opt_state, batch, mask, overflow)[0]
+
+  def released(
+      self, params: PyTree, opt_state: optax.OptState, chunks: Sequence[tuple[PyTree, jax.Array]]
+  ) -> tuple[StepOutput, jax.Array]:
+    """:meth:`__call__` and the seal of the clipped sum it released (SECRET)."""
+    (batch, mask), *extra = chunks
+    overflow = self.empty_overflow(params)
+    for extra_batch, extra_mask in extra:
+      overflow = overflow.add_disjoint(self.clipped_sum(params, opt_state, extra_batch, extra_mask))
+    return self.sealed_step(params, opt_state, batch, mask, overflow)
 
   def __call__(
       self, params: PyTree, opt_state: optax.OptState, chunks: Sequence[tuple[PyTree, jax.Array]]
   ) -> StepOutput:
     """Runs one release over all ``(batch, mask)`` chunks of a Poisson sample."""
-    (batch, mask), *extra = chunks
-    overflow = self.empty_overflow(params)
-    for extra_batch, extra_mask in extra:
-      overflow = overflow.add_disjoint(self.clipped_sum(params, opt_state, extra_batch, extra_mask))
-    return self.step(params, opt_state, batch, mask, overflow)
+    return self.released(params, opt_state, chunks)[0]
 
 
 def _query_and_inputs(optimizer: PrivateTransformation, loss_fn, query):
@@ -166,12 +180,13 @@ def make_private_step(
   def chunk_sum(params, opt_state, batch, mask) -> ClippedSum:
     return summed(read_inputs(params, opt_state), batch, mask)
 
-  def step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
+  def step(params, opt_state, batch, mask, overflow: ClippedSum) -> tuple[StepOutput, jax.Array]:
     total = chunk_sum(params, opt_state, batch, mask).add_disjoint(overflow)
     # Replicated from here on: ONE noise draw from the release's key, on the global sum.
     updates, opt_state = optimizer.update(  # the release takes the ClippedSum
         total, opt_state, params)  # pyright: ignore[reportArgumentType]
-    return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats)
+    seal = cast(jax.Array, total.seal)  # a ClippedSum the library made is always sealed
+    return StepOutput(optax.apply_updates(params, updates), opt_state, total.stats), seal
 
   @jax.jit  # one program, not ~100 eager ones (the seal is a function of the zeros alone)
   def empty_overflow(params) -> ClippedSum:
@@ -194,12 +209,13 @@ def _jitted(step: Callable, chunk_sum: Callable, mesh: Mesh | None) -> tuple[Cal
     out = replicated(mesh)
     return jax.jit(step, out_shardings=out), jax.jit(chunk_sum, out_shardings=out)
 
-  def sharded_step(params, opt_state, batch, mask, overflow: ClippedSum) -> StepOutput:
+  def sharded_step(params, opt_state, batch, mask,
+                   overflow: ClippedSum) -> tuple[StepOutput, jax.Array]:
     params, opt_state = constrain_train_state(mesh, params, opt_state)
-    out = step(params, opt_state, batch, mask, overflow)
+    out, seal = step(params, opt_state, batch, mask, overflow)
     params, opt_state = constrain_train_state(mesh, out.params, out.opt_state)
-    return StepOutput(params, opt_state, jax.lax.with_sharding_constraint(out.stats,
-                                                                          replicated(mesh)))
+    stats, seal = jax.lax.with_sharding_constraint((out.stats, seal), replicated(mesh))
+    return StepOutput(params, opt_state, stats), seal
 
   def sharded_sum(params, opt_state, batch, mask) -> ClippedSum:
     return chunk_sum(*constrain_train_state(mesh, params, opt_state), batch, mask)
