@@ -147,11 +147,15 @@ def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int,
   )
   if not tiny:
     return config
+  # A split no run scores: DART's offline copy has no train split, so its tiny runs train
+  # on test and decode nothing.
+  split = "train" if exp.dataset == "e2e" else "test"
   return dataclasses.replace(
       config, init_weights=None, model="gpt2_tiny", model_overrides=TINY_MODEL, vocab_size=512,
-      train_split="valid", train_subset=64, sampling_rate=0.125, steps=1, denominator=8.0,
+      train_split=split, train_subset=64, sampling_rate=0.125, steps=1, denominator=8.0,
       microbatch_size=8, capacity=None, eval_every=None, eval_pairs=16, generate_groups=2,
       max_new_tokens=4, diagnostic_steps=(0,) if exp.diagnostic_steps else (),
+      generate_splits=exp.generate_splits if split == "train" else (),
   )
 
 

@@ -141,7 +141,7 @@ def test_bad_train_lm_arguments_exit_2_with_one_line(args, message, tmp_path, ca
     pytest.skip("shared/data/text is not present")
   with pytest.raises(SystemExit) if "--model-overrides" in args else _no_exit():
     code = main(["train-lm", "--data-dir", TEXT_DIR, "--output-dir", str(tmp_path / "x"),
-                 "--model", "gpt2_tiny", "--vocab-size", "512", "--train-split", "valid",
+                 "--model", "gpt2_tiny", "--vocab-size", "512", "--train-split", "train",
                  "--train-subset", "64", *args])
     assert code == 2
   err = capsys.readouterr().err.strip()

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not (TEXT_DIR / "gpt2").is_dir(),
 def _argv(out: Path, optimizer: str, *extra: str) -> list[str]:
   return [sys.executable, "-m", "dpmuon_jax.cli", "train-lm", "--data-dir", str(TEXT_DIR),
           "--output-dir", str(out), "--model", "gpt2_tiny", "--model-overrides", TINY_MODEL,
-          "--vocab-size", "512", "--train-split", "valid", "--train-subset", "64",
+          "--vocab-size", "512", "--train-split", "train", "--train-subset", "64",
           "--sampling-rate", "0.25", "--steps", "3", "--denominator", "16", "--epsilon", "50",
           "--seed", "5", "--eval-pairs", "16", "--generate-splits", "", "--optimizer",
           optimizer, "--learning-rate", "0.02", "--fallback-learning-rate", "0.003", *extra]

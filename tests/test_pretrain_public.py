@@ -139,7 +139,7 @@ def test_tiny_pretraining_round_trips_and_fine_tunes_privately(tmp_path, monkeyp
   np.testing.assert_array_equal(apply(params, tokens), apply(loaded, tokens))
   results = train_lm(LMTrainConfig(
       data_dir=TEXT_DIR, init_weights=config.out, output_dir=str(tmp_path / "ft"),
-      train_split="valid", train_subset=64, sampling_rate=0.125, steps=1, denominator=8.0,
+      train_split="train", train_subset=64, sampling_rate=0.125, steps=1, denominator=8.0,
       microbatch_size=8, seed=3, eval_pairs=16, eval_batch_size=16, generate_splits=()))
   assert results["pretrained"] and results["releases"] == 1
   assert results["model"] == gpt2_config._asdict() and np.isfinite(results["valid_nll"])

@@ -67,8 +67,8 @@ def test_real_public_slice_counts_and_no_public_restaurant_is_private():
     assert not {e2e_name(p.source) for p in data.pairs} & PUBLIC_NAMES
   # The private run's N is the private count (the accountant's dataset size).
   config = LMTrainConfig(data_dir=TEXT_DIR, public_slice=E2E_PUBLIC_SLICE, vocab_size=512,
-                         train_split="valid")
-  assert _load_lm_data(config).num_pairs == 3_947
+                         train_split="test", generate_splits=())
+  assert _load_lm_data(config).num_pairs == 4_455
 
 
 def test_public_slice_experiment_is_the_preregistered_design():

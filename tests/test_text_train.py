@@ -72,7 +72,7 @@ def test_ordered_history_is_most_recent_first_across_the_ring():
 def _tiny_config(tmp_path, **kw) -> LMTrainConfig:
   base = dict(
       data_dir=TEXT_DIR, output_dir=str(tmp_path / "run"), model="gpt2_tiny",
-      model_overrides=text_sweep.TINY_MODEL, vocab_size=512, train_split="valid",
+      model_overrides=text_sweep.TINY_MODEL, vocab_size=512, train_split="train",
       train_subset=64, sampling_rate=0.125, steps=3, denominator=8.0, epsilon=8.0,
       microbatch_size=8, seed=3, eval_pairs=16, eval_every=1, generate_splits=("test",),
       generate_groups=2, max_new_tokens=4, optimizer="dp_muon_im",
@@ -164,6 +164,11 @@ def test_ghost_clipping_gives_the_same_inner_momentum_run(tmp_path):
 
 
 def test_bad_settings_are_refused(tmp_path):
+  # Training on a split the run scores would publish its scores as held-out ones.
+  with pytest.raises(ValueError, match="train_split 'valid' is also scored"):
+    train_lm(_tiny_config(tmp_path, train_split="valid"))
+  with pytest.raises(ValueError, match="train_split 'test' is also scored"):
+    train_lm(_tiny_config(tmp_path, train_split="test", generate_splits=("test",)))
   with pytest.raises(ValueError, match="dp_muon_im"):
     train_lm(_tiny_config(tmp_path, optimizer="dp_muon", diagnostic_steps=(1,)))
   with pytest.raises(ValueError, match="multiple of microbatch_size"):

@@ -125,7 +125,7 @@ def test_the_gpt2_trainer_writes_nll_epsilon_and_learning_rates(tmp_path):
   log_dir = str(tmp_path / "tb")
   config = LMTrainConfig(
       data_dir=TEXT_DIR, output_dir=str(tmp_path / "run"), model="gpt2_tiny",
-      model_overrides=TINY_MODEL, vocab_size=512, train_split="valid", train_subset=64,
+      model_overrides=TINY_MODEL, vocab_size=512, train_split="train", train_subset=64,
       sampling_rate=0.125, steps=2, denominator=8.0, epsilon=8.0, microbatch_size=8, seed=3,
       eval_pairs=16, eval_every=1, generate_splits=(), optimizer="dp_muon",
       learning_rate=0.02, fallback_learning_rate=0.003, log_dir=log_dir)

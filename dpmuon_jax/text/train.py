@@ -141,8 +141,9 @@ class LMTrainConfig:
       ``"automatic"`` (ghost clipping, :mod:`dpmuon_jax.privacy.ghost`: the
       model is built with :func:`~dpmuon_jax.models.taps.tapped`; same sum and
       sensitivity, no per-example gradients of the tapped weights).
-    train_split: the split trained on (``"train"``; CI's one-step smoke runs
-      use ``"valid"``, which is always present).
+    train_split: the split trained on (``"train"``); never ``"valid"`` (every run
+      scores it) nor one of ``generate_splits``: a score of the private training
+      data would be published as if it were held out.
     train_subset: the first n training pairs only (CPU scale); N is then n.
     public_slice: E2E only: every pair whose restaurant is public
       (:func:`~dpmuon_jax.text.data.in_public_slice` with this modulus) is
@@ -242,7 +243,8 @@ FLAG_HELP = {
     "model_seed": "public initialisation seed (from scratch)",
     "microbatch_size": "accumulate the clipped sum in chunks of this many rows",
     "clipped_sum_method": "vmap, ghost or automatic",
-    "train_split": "the split trained on",
+    "train_split": "the split trained on (not valid nor a --generate-splits one: they are "
+                   "scored)",
     "train_subset": "train on the first n pairs only (N is then n)",
     "public_slice": "E2E: drop the public restaurants (hash of the name mod this) everywhere",
     "capacity": "rows of each padded Poisson batch (default: mean + 6 sd)",
@@ -304,6 +306,10 @@ def validate_config(config: LMTrainConfig) -> None:
                      f"{config.clipped_sum_method!r}.")
   if config.mesh is not None:
     parse_mesh_shape(config.mesh)
+  if config.train_split == "valid" or config.train_split in config.generate_splits:
+    raise ValueError(f"train_split {config.train_split!r} is also scored or decoded (validation "
+                     "NLL, generate_splits): its scores would publish the private training "
+                     "data as if it were held out; train on another split.")
   if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
     raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
                      f"{config.microbatch_size}.")
