@@ -95,6 +95,13 @@ def test_an_optimizer_releasing_otherwise_than_accounted_is_refused_before_any_r
   assert not os.path.exists(os.path.join(config.output_dir, JOURNAL_NAME))
 
 
+def test_results_state_the_certificates_guarantee_with_the_seed_caveat(tmp_path, tiny_data):
+  results = train(_config(tmp_path, "scope", max_steps=1), tiny_data)
+  assert results["guarantee"].startswith(f"({results['epsilon_spent']:.4g}, 0.001)-differential")
+  assert "add/remove-one" in results["guarantee"]
+  assert "holds only while that seed stays secret" in results["guarantee"]  # seed=3
+
+
 def test_the_fingerprint_leaves_out_what_changes_no_release():
   """A GPT-2 run resumed with other evaluation settings still replays its lost releases."""
   import dataclasses

@@ -77,7 +77,7 @@ from dpmuon_jax.training.checkpoint import (
     restore_metadata,
     save_checkpoint,
 )
-from dpmuon_jax.training.export import export_run
+from dpmuon_jax.training.export import export_run, guarantee
 from dpmuon_jax.training.journal import (
     JOURNAL_NAME,
     JournalEntry,
@@ -708,9 +708,8 @@ def _results(config, run: Run, ledger: PrivacyLedger, stop_reason, seconds: floa
       "train_seconds": seconds,
       "train_cpu_seconds": cpu_seconds,
       "seconds_per_epoch": seconds / steps_run * run.steps_per_epoch if steps_run else None,
-      "guarantee": (
-          "per run, add/remove-one adjacency; hyperparameter search across runs is not covered"
-      ),
+      "guarantee": guarantee(ledger.epsilon(), config.delta, ledger.config.neighbouring,
+                             seeded),
       # The seed is the root key of a seeded run: it stays in the owner-only checkpoints.
       "config": {**dataclasses.asdict(config), "seed": None},
       "export": "export",  # relative to the run's folder, which may be moved

@@ -66,7 +66,8 @@ def _library_version() -> str:
     return "unknown"
 
 
-def _guarantee(epsilon: float, delta: float, adjacency: str, seeded: bool) -> str:
+def guarantee(epsilon: float, delta: float, adjacency: str, seeded: bool) -> str:
+  """The scope of a run's guarantee as one sentence (the certificate's and results.json's)."""
   text = (
       f"({epsilon:.4g}, {delta:g})-differential privacy per run, for "
       f"{_ADJACENCY.get(adjacency, adjacency)} adjacency of the training set; "
@@ -130,7 +131,7 @@ def privacy_certificate(
       "seeded": seeded,
       "secure_noise": bool(secure_noise),
       "library": {"name": "dpmuon-jax", "version": _library_version()},
-      "guarantee": _guarantee(epsilon, c.target_delta, c.neighbouring, seeded),
+      "guarantee": guarantee(epsilon, c.target_delta, c.neighbouring, seeded),
   }
   if model is not None:
     certificate["model"] = dict(model)
