@@ -132,3 +132,26 @@ def test_noise_off_halves_least_squares_loss_within_100_steps(case):
   for _ in range(100):
     params, state = step(params, state, batch)
   assert float(_loss(params, batch)) < 0.5 * initial
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_one_noise_draw_of_std_sigma_c_over_the_whole_tree_per_update(case, monkeypatch):
+  """Measured, not read from a label: each update of every registered optimizer draws
+  Gaussian noise exactly once, with std σ·C, over a tree shaped like the parameters (the
+  one release, before any post-processing)."""
+  from dpmuon_jax.privacy import release
+
+  draws = []
+  real_draw = release.gaussian_noise_like
+
+  def recorded(tree, key, std):
+    draws.append(([jnp.shape(x) for x in jax.tree.leaves(tree)], float(std)))
+    return real_draw(tree, key, std)
+
+  monkeypatch.setattr(release, "gaussian_noise_like", recorded)
+  sigma = 0.7
+  opt = _make(case, sigma, key=5)
+  params, batch = _problem()
+  grads = jax.vmap(jax.grad(_loss), in_axes=(None, 0))(params, batch)
+  opt.update(grads, opt.init(params), params, mask=jnp.ones(BATCH, bool))
+  assert draws == [([jnp.shape(x) for x in jax.tree.leaves(params)], pytest.approx(sigma * C))]
