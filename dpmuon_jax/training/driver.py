@@ -406,7 +406,7 @@ def _placed(mesh: Mesh | None, params: PyTree, opt_state: PyTree) -> tuple[PyTre
   return shard_train_state(mesh, params, opt_state)
 
 
-def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, root):
+def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, root, seals):
   """Replays or charges the releases lost after the checkpoint (see training/journal.py).
 
   The lost releases must have been made under this run's privacy settings
@@ -428,7 +428,7 @@ def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, roo
       records, start, key_index, fingerprint,
       # Secure noise comes from OS entropy at every release: it never replays.
       replayable=(metadata is not None or root.seeded) and not run.optimizer.release.secure_noise,
-      sealed=read_seals(journal_path).keys(),
+      sealed=seals.keys(),
   )
   if plan.charge_now:
     ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now)
@@ -478,7 +478,8 @@ def run_task(task: Task) -> dict:
   params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
   fingerprint = run_fingerprint(config, data_arrays, noise_stream(opt_state),
                                 task.evaluation_fields)
-  plan = _plan_keys(run, ledger, journal_path, fingerprint, start, metadata, root)
+  seals = read_seals(journal_path)  # SECRET: the digest of each released clipped sum
+  plan = _plan_keys(run, ledger, journal_path, fingerprint, start, metadata, root, seals)
   check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
   state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
 
@@ -502,7 +503,7 @@ def run_task(task: Task) -> dict:
   bar = _progress(placed.end, start, config.progress and is_primary())
   tracker = _open_tracker(config.log_dir if is_primary() else None, start)
   clock = _Clock.start()
-  hooks = Hooks(before=before, **_seal_hooks(journal_path, plan.replay_until),
+  hooks = Hooks(before=before, **_seal_hooks(journal_path, seals, plan.replay_until),
                 after=_after_release(task, placed, ledger, history, bar, save, tracker, clock))
   state, stop_reason = _releases(placed, ledger, state, hooks, plan.replay_until)
   state, stop_reason = _settled(placed, ledger, plan.replay_until, state, stop_reason,
@@ -517,9 +518,9 @@ def run_task(task: Task) -> dict:
   return results
 
 
-def _seal_hooks(journal_path: str, replay_until: int) -> dict[str, Callable]:
+def _seal_hooks(journal_path: str, seals: Mapping[int, Sequence[int]],
+                replay_until: int) -> dict[str, Callable]:
   """Journal each release's seal at once; a replay must release a sum of the recorded seal."""
-  seals = read_seals(journal_path)
 
   def sealed(state: LoopState, seal) -> None:
     words = host_words(seal)  # on every process: the step ends here, as on process 0

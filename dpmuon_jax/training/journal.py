@@ -96,11 +96,16 @@ def append_entry(path: str, entry: JournalEntry) -> None:
   file of its own, written atomically.
   """
   line = json.dumps(entry._asdict(), sort_keys=True)
+  _append_synced(path, line)
+  write_private_file(_high_water_path(path), line)
+
+
+def _append_synced(path: str, line: str) -> None:
+  """Appends ``line`` to the owner-only file ``path`` and syncs it to disk."""
   with private_open(path, "a") as f:
     f.write(line + "\n")
     f.flush()
     os.fsync(f.fileno())
-  write_private_file(_high_water_path(path), line)
 
 
 def _high_water_path(journal_path: str) -> str:
@@ -143,11 +148,8 @@ def _seals_path(journal_path: str) -> str:
 
 def append_seal(journal_path: str, key_index: int, seal: Sequence[int]) -> None:
   """Records (synced, owner-only) the seal of the clipped sum released with ``key_index``."""
-  line = json.dumps({"key_index": int(key_index), "seal": [int(w) for w in seal]})
-  with private_open(_seals_path(journal_path), "a") as f:
-    f.write(line + "\n")
-    f.flush()
-    os.fsync(f.fileno())
+  _append_synced(_seals_path(journal_path),
+                 json.dumps({"key_index": int(key_index), "seal": [int(w) for w in seal]}))
 
 
 def read_seals(journal_path: str) -> dict[int, tuple[int, ...]]:
