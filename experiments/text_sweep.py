@@ -29,12 +29,17 @@ CPU experiments' number of releases T is sized from. It trains no recorded run.
 Restartable: each finished run's row is appended to ``<out>/runs.csv`` at
 once (flushed and fsynced), and a rerun skips every (variant, target ε, seed)
 already recorded, then rewrites the summary and plots from all the rows. A run
-interrupted midway is redone from scratch: its partial releases were never
-published (nothing of a run leaves it before its row), and the rerun with the
-same seed draws the same samples and noise, so it recomputes the same
-releases (up to floating-point nondeterminism of the backend). Each run trains
-in a fresh process of its own, so the peak memory in its row is its own (a
-process's peak RSS and the device's peak allocation only grow).
+interrupted midway resumes from its latest checkpoint (written at every
+evaluation along the way, every ``eval_every`` releases; without them a run
+is redone from scratch), replaying the releases made after it
+exactly (:mod:`dpmuon_jax.training.journal`); its row says ``resumed = 1``, its
+``train_seconds`` still cover all its releases once (checkpoint writes left
+out), while ``run_seconds`` and the peak memory are those of its last process.
+A resumption that cannot complete as planned (a lost release it could not
+replay) is thrown away and the run redone from scratch with the same published
+seed, which draws the same samples and noise. Each run trains in a fresh
+process of its own, so the peak memory in its row is its own (a process's peak
+RSS and the device's peak allocation only grow).
 
 An experiment with a learning-rate grid first runs its pilot for each ε
 (:func:`pilot`, before that ε's runs; ``<out>/pilot.csv``, restartable the
@@ -84,6 +89,8 @@ from dpmuon_jax.text.train import (
     score_split,
     train_lm,
 )
+from dpmuon_jax.training.checkpoint import latest_good_step
+from dpmuon_jax.training.driver import TrainingError
 from dpmuon_jax.training.records import append_csv_row, write_csv
 from dpmuon_jax.training.tracking import MissingExtraError
 from experiments.pretrain_public import sha256_file
@@ -97,14 +104,15 @@ RUN_FIELDS = (
     "pretrained", "valid_nll", "valid_bleu", "valid_rouge_l", "test_bleu", "test_rouge_l",
     "train_seconds", "run_seconds", "peak_rss_gib", "peak_device_gib",
     "learning_rate", "fallback_learning_rate", "steady_peak_rss_gib", "train_cpu_seconds",
+    "resumed",
 )
 PILOT_FIELDS = (
     "variant", "optimizer", "target_epsilon", "seed", "rate_factor", "learning_rate",
     "fallback_learning_rate", "releases", "epsilon_spent", "noise_multiplier", "valid_nll",
-    "train_seconds", "run_seconds", "steady_peak_rss_gib", "train_cpu_seconds",
+    "train_seconds", "run_seconds", "steady_peak_rss_gib", "train_cpu_seconds", "resumed",
 )
 _TEXT_FIELDS = ("variant", "optimizer", "clipped_sum_method", "pretrained", "grid", "on_edge")
-_INT_FIELDS = ("seed", "pilot_seed", "pilot_releases")
+_INT_FIELDS = ("seed", "pilot_seed", "pilot_releases", "resumed")
 
 
 def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int, out: str,
@@ -141,9 +149,8 @@ def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int,
       generate_splits=exp.generate_splits,
       max_new_tokens=exp.max_new_tokens,
       diagnostic_steps=exp.diagnostic_steps,
-      # An interrupted run is redone from scratch: only the final checkpoint (what export/
-      # reads), none inside the timed releases.
-      checkpoint_every=exp.steps * variant.releases,
+      # What an interrupted sweep resumes from (the writes are left out of the run's time).
+      checkpoint_every=exp.eval_every or exp.steps * variant.releases,
   )
   if not tiny:
     return config
@@ -272,8 +279,8 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
       continue
     factor = factors.get((variant.rate_from or variant.label, epsilon), 1.0)
     config = run_config(exp, variant, epsilon, seed, out, data_dir, gpt2_dir, tiny, factor)
-    results, seconds = _train_and_time(config, log_dir, call)
-    row = _row(variant, epsilon, seed, config, results, seconds)
+    results, seconds, resumed = _train_and_time(config, log_dir, call)
+    row = _row(variant, epsilon, seed, config, results, seconds, resumed)
     append_row(path, row)
     print(json.dumps(row), flush=True)
     summarise_recorded(exp, out, runs)  # partial results stay current while the sweep runs
@@ -294,19 +301,49 @@ def summarise_recorded(exp: TextExperiment, out: str,
   return rows
 
 
-def _train_and_time(config: LMTrainConfig, log_dir: str | None, call) -> tuple[dict, float]:
-  """One run from scratch (an interrupted run's files removed first): (results, seconds)."""
+def _train_and_time(config: LMTrainConfig, log_dir: str | None, call
+                    ) -> tuple[dict, float, bool]:
+  """One run, resumed from the checkpoint an interrupted sweep left, else from scratch:
+  (results, seconds of this call, resumed).
+
+  A resumption that cannot finish as the run planned (a lost release it could not replay
+  exactly and charged instead, a refusal, outputs without their checkpoint) is thrown
+  away and the run redone from scratch with the same published seed.
+  """
   if log_dir is not None:
     config = dataclasses.replace(
         config, log_dir=os.path.join(log_dir, os.path.basename(config.output_dir)))
+  if _resumable(config.output_dir):
+    started = time.perf_counter()
+    try:
+      results = call(_train, dataclasses.replace(config, resume=True))
+    except TrainingError as error:
+      results = {"stop_reason": str(error)}
+    if results.get("stop_reason") == "completed" and results["releases"] == config.steps:
+      return _without_checkpoints(config, results), time.perf_counter() - started, True
+    print(f"{config.output_dir}: the resumption did not complete as planned "
+          f"({results.get('stop_reason')}); redone from scratch.", flush=True)
+  if config.log_dir is not None:
     shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
   shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
   started = time.perf_counter()
   results = call(_train, config)
-  seconds = time.perf_counter() - started
-  # A finished run's checkpoints hold its root key (SECRET) and are never resumed: export/ stays.
+  return _without_checkpoints(config, results), time.perf_counter() - started, False
+
+
+def _resumable(output_dir: str) -> bool:
+  """Whether an interrupted run left an intact checkpoint in ``output_dir``."""
+  try:
+    return latest_good_step(os.path.join(output_dir, "checkpoints")) is not None
+  except OSError:  # none intact
+    return False
+
+
+def _without_checkpoints(config: LMTrainConfig, results: dict) -> dict:
+  """A finished run's checkpoints hold its root key (SECRET) and are never resumed: export/
+  stays."""
   shutil.rmtree(os.path.join(config.output_dir, "checkpoints"), ignore_errors=True)
-  return results, seconds
+  return results
 
 
 # ---------------------------------------------------------------------------
@@ -342,8 +379,8 @@ def pilot(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None, ep
               steps=exp.pilot_steps * variant.releases, generate_splits=(),
               output_dir=os.path.join(out, "runs", "pilot",
                                       f"{_slug(variant.label)}_eps{epsilon:g}_x{factor:g}"))
-          results, seconds = _train_and_time(config, log_dir, call)
-          row = _pilot_row(variant, epsilon, factor, config, results, seconds)
+          results, seconds, resumed = _train_and_time(config, log_dir, call)
+          row = _pilot_row(variant, epsilon, factor, config, results, seconds, resumed)
           append_csv_row(path, row, PILOT_FIELDS)
           print(json.dumps(row), flush=True)
           tried[factor] = _parse(row, PILOT_FIELDS)
@@ -365,7 +402,7 @@ def choose_factor(nll: dict[float, float]) -> float:
 
 
 def _pilot_row(variant: Variant, epsilon: float, factor: float, config: LMTrainConfig,
-               results: dict, run_seconds: float) -> dict:
+               results: dict, run_seconds: float, resumed: bool) -> dict:
   return {"variant": variant.label, "optimizer": variant.optimizer, "target_epsilon": epsilon,
           "seed": config.seed, "rate_factor": factor, "learning_rate": config.learning_rate,
           "fallback_learning_rate": config.fallback_learning_rate,
@@ -373,7 +410,7 @@ def _pilot_row(variant: Variant, epsilon: float, factor: float, config: LMTrainC
           "noise_multiplier": results["noise_multiplier"], "valid_nll": results["valid_nll"],
           "train_seconds": results["train_seconds"], "run_seconds": run_seconds,
           "steady_peak_rss_gib": results.get("steady_peak_rss_gib", ""),
-          "train_cpu_seconds": results.get("train_cpu_seconds", "")}
+          "train_cpu_seconds": results.get("train_cpu_seconds", ""), "resumed": int(resumed)}
 
 
 RATE_FIELDS = ("variant", "target_epsilon", "pilot_seed", "pilot_releases", "grid",
@@ -554,7 +591,7 @@ def decide(pairs: list[dict], seeds: int = 3, rates: list[dict] = ()) -> list[di
 
 
 def _row(variant: Variant, epsilon: float, seed: int, config: LMTrainConfig, results: dict,
-         run_seconds: float) -> dict:
+         run_seconds: float, resumed: bool = False) -> dict:
   releases = int(results["releases"])
   row = {"variant": variant.label, "optimizer": variant.optimizer, "target_epsilon": epsilon,
          "seed": seed, "epsilon_spent": results["epsilon_spent"], "delta": results["delta"],
@@ -575,6 +612,7 @@ def _row(variant: Variant, epsilon: float, seed: int, config: LMTrainConfig, res
   row["fallback_learning_rate"] = config.fallback_learning_rate
   row["steady_peak_rss_gib"] = results.get("steady_peak_rss_gib", "")
   row["train_cpu_seconds"] = results.get("train_cpu_seconds", "")
+  row["resumed"] = int(resumed)
   return row
 
 

@@ -4,6 +4,7 @@ import csv
 import dataclasses
 import json
 import os
+import shutil
 
 import chex
 import jax
@@ -368,6 +369,24 @@ def test_sweep_is_restartable_and_a_rerun_trains_nothing_new(tmp_path, monkeypat
     assert len(list(csv.DictReader(f))) == 8
 
 
+@needs_text_data
+def test_an_interrupted_sweep_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+  """The sweep resumes a run its interruption left at a checkpoint; the result is the
+  uninterrupted run's. A checkpoint it may not resume (other settings) is redone from
+  scratch. Either way the secret checkpoints are gone afterwards."""
+  config = _tiny_config(tmp_path, eval_every=None, generate_splits=(), checkpoint_every=1)
+  train_lm(dataclasses.replace(config, max_steps=2))  # the interruption: a checkpoint at 2
+  results, _, resumed = text_sweep._train_and_time(config, None, text_sweep._in_this_process)
+  assert resumed and results["releases"] == 3 and results["stop_reason"] == "completed"
+  assert not os.path.exists(os.path.join(config.output_dir, "checkpoints"))
+  shutil.rmtree(config.output_dir)
+  train_lm(dataclasses.replace(config, max_steps=2, clip=2.0))  # a run the sweep no longer makes
+  whole, _, resumed = text_sweep._train_and_time(config, None, text_sweep._in_this_process)
+  assert not resumed and whole["releases"] == 3
+  assert results["valid_nll"] == whole["valid_nll"]  # the resumed run is the whole run
+  assert not os.path.exists(os.path.join(config.output_dir, "checkpoints"))
+
+
 def test_an_older_runs_file_gains_the_new_columns(tmp_path, monkeypatch):
   exp = _fake_experiment(epsilons=(8.0,), seeds=(37,))
   old = {"variant": "A", "optimizer": "dp_muon", "target_epsilon": 8.0, "seed": 37,
@@ -437,6 +456,20 @@ def test_cli_tiny_run_of_the_pretrained_cpu_experiment_and_its_rerun(tmp_path, m
   monkeypatch.setattr(text_sweep, "train_lm", fake)
   assert text_sweep.main(args) == 0
   assert fake.calls == [] and text_sweep.read_rows(str(tmp_path / "runs.csv")) == rows
+
+
+def test_a_resumed_process_resets_its_peak_after_its_own_first_release():
+  """The steady-state peak of a resumption leaves out its compilation too."""
+  from dpmuon_jax.text.train import _note_first_release
+
+  noted: list = []
+  _note_first_release(5, 8, noted)  # a resumption at step 4: its first release
+  assert len(noted) == 1 and noted[0] > 0  # the peak so far, and the reset worked
+  _note_first_release(6, 8, noted)
+  assert len(noted) == 1
+  last: list = []
+  _note_first_release(8, 8, last)  # the run's last release: no steady state follows
+  assert last == []
 
 
 def test_a_run_in_its_own_process_reports_its_own_peak_memory():

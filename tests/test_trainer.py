@@ -81,6 +81,53 @@ def test_a_tuple_in_the_settings_resumes_although_the_checkpoint_stores_a_list(
           tiny_data)
 
 
+class _FakeTime:
+  """The driver's clock: one second per reading, and whatever a patched step adds."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self):
+    self.now += 1.0
+    return self.now
+
+  process_time = perf_counter
+
+
+def test_training_time_leaves_out_checkpoint_writes_and_goes_on_across_a_resumption(
+    tmp_path, tiny_data, monkeypatch):
+  """Each checkpoint write costs 1000 s and each evaluation of the first segment 50 s:
+  the run's time holds the evaluations of both segments and none of the writes."""
+  from dpmuon_jax.training import driver
+
+  fake = _FakeTime()
+  monkeypatch.setattr(driver, "time", fake)
+  save, record = driver.save_checkpoint, driver._record
+
+  def slow_save(*args):
+    fake.now += 1000.0
+    return save(*args)
+
+  def slow_record(*args):
+    fake.now += 50.0
+    return record(*args)
+
+  monkeypatch.setattr(driver, "save_checkpoint", slow_save)
+  monkeypatch.setattr(driver, "_record", slow_record)
+  config = dict(checkpoint_every=1, eval_every=1)
+  part = train(_config(tmp_path, "part", max_steps=3, **config), tiny_data)
+  assert 150 <= part["train_seconds"] < 1000  # 3 evaluations, 2 writes left out
+  monkeypatch.setattr(driver, "_record", record)
+  resumed = train(_config(tmp_path, "part", resume=True, **config), tiny_data)
+  assert resumed["releases"] == 8
+  assert part["train_seconds"] < resumed["train_seconds"] < 1000  # 4 more writes left out
+  assert resumed["train_cpu_seconds"] > part["train_cpu_seconds"]
+  assert resumed["seconds_per_epoch"] == pytest.approx(resumed["train_seconds"] / 8 * 4)
+  with open(os.path.join(tmp_path, "part", "history.csv")) as f:
+    seconds = [float(row.split(",")[-2]) for row in f.read().splitlines()[1:]]
+  assert seconds == sorted(seconds) and len(seconds) == 8
+
+
 @pytest.mark.parametrize("optimizer, options", [
     ("dp_disk_sgd", {"kappa": 0.5, "gamma": 0.8, "reference_noise_rescaling": True}),
     ("dp_sgd", {"neighbouring": "replace_one"}),

@@ -35,7 +35,9 @@ Wall time and peak memory (the device's peak allocation where the backend
 reports it, and the process's peak RSS, both since the process started) are
 recorded for the K sweep of §5.3, and on Linux the steady-state peak RSS:
 the high-water mark over releases 2..T (and their validation NLL), reset
-after the first release so it excludes the first release's compilation.
+after the first release so it excludes the first release's compilation (a
+resumed run's: over the releases after its resumption's first). The training
+time covers every process of the run, checkpoint writes left out.
 """
 
 from __future__ import annotations
@@ -479,12 +481,12 @@ def _check_probe(config: LMTrainConfig, probe: DiagnosticProbe | None) -> None:
                      "probe=dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe().")
 
 
-def _note_first_release(step: int, steps: int, first_release_rss: list[float]) -> None:
-  """After release 1: keep the peak so far (compilation) and reset the high-water mark."""
-  if step == 1 and steps > 1:
-    first_release_rss.append(peak_rss_gib())
-    if not reset_peak_rss():
-      first_release_rss.clear()
+def _note_first_release(step: int, steps: int, first_release_rss: list[float | None]) -> None:
+  """After this process's first release (release 1, or the first after a resumption) when
+  more follow: keep the peak so far (compilation) and reset the high-water mark."""
+  if not first_release_rss and step < steps:
+    peak = peak_rss_gib()
+    first_release_rss.append(peak if reset_peak_rss() else None)
 
 
 def _chunks_of(train_arrays: dict, mesh: Mesh | None = None) -> Callable:
@@ -494,10 +496,11 @@ def _chunks_of(train_arrays: dict, mesh: Mesh | None = None) -> Callable:
   return lambda padded, _: [shard_batch(mesh, gather(train_arrays, c), c.mask) for c in padded]
 
 
-def _run_memory(first_release_rss: list[float]) -> dict:
-  """Peak RSS of the run, and its steady state (releases 2..T) when the reset worked."""
+def _run_memory(first_release_rss: list[float | None]) -> dict:
+  """Peak RSS of this process, and its steady state (its releases after the first) when
+  the reset worked."""
   memory = peak_memory()
-  if first_release_rss:  # VmHWM now holds releases 2..T only (and their validation NLL)
+  if first_release_rss and first_release_rss[0] is not None:  # VmHWM: the later releases
     memory["steady_peak_rss_gib"] = memory["peak_rss_gib"]
     memory["peak_rss_gib"] = max(memory["peak_rss_gib"], first_release_rss[0])
   return memory
@@ -551,7 +554,7 @@ class LMTask:
                                 clipped_sum_method=config.clipped_sum_method, mesh=mesh)
     probe_batch = {k: v[:config.diagnostic_examples] for k, v in lm_data.train_arrays.items()}
     diagnostic_rows: list[NamedTuple] = []
-    first_release_rss: list[float] = []  # the peak up to the end of release 1 (compilation)
+    first_release_rss: list[float | None] = []  # the peak up to this process's first release
     validation_nll = lambda p: mean_token_nll(apply, p, lm_data.valid_arrays,
                                               config.eval_batch_size)
 

@@ -32,6 +32,7 @@ reads: ``output_dir``, ``resume``, ``seed``, ``epsilon``, ``delta``, ``max_steps
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -39,7 +40,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
@@ -439,18 +440,42 @@ def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, roo
   return plan
 
 
-class _Clock(NamedTuple):
-  """When this process started its releases (wall and CPU time)."""
+class _Clock:
+  """The run's time in releases and evaluations, wall and CPU, checkpoint writes left out.
 
-  wall: float
-  cpu: float
+  A resumed run's clock goes on from the time its checkpoint recorded, so
+  ``elapsed`` covers releases ``first + 1`` onwards with ``first = 0`` (the
+  releases redone after a crash are counted once, a resumption's compilation
+  is counted); from a checkpoint that recorded no time, ``first`` is its step.
+  """
+
+  def __init__(self, wall: float = 0.0, cpu: float = 0.0, first: int = 0):
+    self.first = first
+    self._offset = (wall, cpu)
+    self._started = (time.perf_counter(), time.process_time())
 
   @classmethod
-  def start(cls) -> _Clock:
-    return cls(time.perf_counter(), time.process_time())
+  def resumed(cls, metadata: dict | None, start: int) -> _Clock:
+    """The clock of a run starting at step ``start`` from ``metadata`` (``None``: a new run)."""
+    if metadata is None:
+      return cls()
+    if "elapsed" not in metadata:
+      return cls(first=start)
+    return cls(*metadata["elapsed"])
 
   def elapsed(self) -> tuple[float, float]:
-    return time.perf_counter() - self.wall, time.process_time() - self.cpu
+    return (self._offset[0] + time.perf_counter() - self._started[0],
+            self._offset[1] + time.process_time() - self._started[1])
+
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    """Leaves what runs inside (a checkpoint write) out of the elapsed time."""
+    stopped = self.elapsed()
+    try:
+      yield
+    finally:
+      self._offset = stopped
+      self._started = (time.perf_counter(), time.process_time())
 
 
 def run_task(task: Task) -> dict:
@@ -485,9 +510,11 @@ def run_task(task: Task) -> dict:
 
   if is_primary():  # a line torn by the crash would run into the next one
     mend_torn_line(journal_path)
+  clock = _Clock.resumed(metadata, start)
 
   def save(state: LoopState, stop: str | None = None) -> None:
-    meta = _metadata(task, run, root, ledger, state.key_index, stop, history, data_sha256)
+    meta = {**_metadata(task, run, root, ledger, state.key_index, stop, history, data_sha256),
+            "elapsed": clock.elapsed()}
     # Several processes: each gathers the leaves split over them; process 0 writes.
     params, opt_state = gather_to_host((state.params, state.opt_state))
     if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
@@ -502,7 +529,6 @@ def run_task(task: Task) -> dict:
 
   bar = _progress(placed.end, start, config.progress and is_primary())
   tracker = _open_tracker(config.log_dir if is_primary() else None, start)
-  clock = _Clock.start()
   hooks = Hooks(before=before, **_seal_hooks(journal_path, seals, plan.replay_until),
                 after=_after_release(task, placed, ledger, history, bar, save, tracker, clock))
   state, stop_reason = _releases(placed, ledger, state, hooks, plan.replay_until)
@@ -512,7 +538,7 @@ def run_task(task: Task) -> dict:
     bar.close()
   elapsed = clock.elapsed()  # the releases' time, without the final checkpoint and outputs
   save(state, stop_reason)
-  results = _finish(task, placed, ledger, history, state, stop_reason, clock, elapsed, start,
+  results = _finish(task, placed, ledger, history, state, stop_reason, clock, elapsed,
                     root.seeded)
   _close_tracker(tracker, history, run.tracked)
   return results
@@ -586,8 +612,9 @@ def _finished(task: Task, placed: _Placed, ledger: PrivacyLedger, root: RootKey,
   if not _outputs_written(output_dir):
     params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
     state = LoopState(params, opt_state, start, metadata["key_index"])
-    return _finish(task, placed, ledger, history, state, metadata["stop_reason"],
-                   _Clock.start(), (0.0, 0.0), start, root.seeded)
+    clock = _Clock.resumed(metadata, start)
+    return _finish(task, placed, ledger, history, state, metadata["stop_reason"], clock,
+                   clock.elapsed(), root.seeded)
   print(
       f"The run in {output_dir} already finished ({metadata['stop_reason']}) after "
       f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
@@ -660,16 +687,18 @@ def _after_release(task: Task, placed: _Placed, ledger, history, bar, save, trac
     if bar is not None:
       bar.update(1)
     if done % checkpoint_every == 0 and done != placed.end:
-      save(state)
+      with clock.paused():
+        save(state)
 
   return after
 
 
 def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop_reason,
-            clock: _Clock, elapsed: tuple[float, float], start, seeded) -> dict:
+            clock: _Clock, elapsed: tuple[float, float], seeded) -> dict:
   """Final evaluation, results.json, history.csv, the plot and the export.
 
-  ``elapsed``: the wall and CPU seconds of this process's releases (and their evaluations).
+  ``elapsed``: the wall and CPU seconds of the releases after ``clock.first`` (and their
+  evaluations), the run's whole time unless it resumed a checkpoint that recorded none.
   """
   config, run = task.config, placed.run
   if not history or history[-1]["step"] != state.step:
@@ -679,7 +708,7 @@ def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop
   seconds, cpu_seconds = elapsed
   results = {**run.results(state.params, history),
              **_results(config, run, ledger, stop_reason, seconds, cpu_seconds,
-                        state.step - start, seeded)}
+                        state.step - clock.first, seeded)}
   if is_primary():
     export_run(config.output_dir)  # parameters + certificate, no secrets, in export/
     if run.write_extra is not None:
