@@ -357,13 +357,19 @@ def train_one(study: Study, arm: Arm, lr: float, seed: int, out: str,
   }
 
 
+def initial_model(study: Study, data):
+  """The study's model at its public initialisation (every run starts there) and its loss."""
+  from dpmuon_jax.models.registry import model_and_loss
+
+  return model_and_loss(study.model, data.num_classes, data.image_shape, seed=0,
+                        **dict(study.model_overrides))
+
+
 def final_params(study: Study, export_dir: str, data):
   """The model's apply function and the parameters saved in ``export_dir``."""
-  from dpmuon_jax.models.registry import model_and_loss
   from dpmuon_jax.training.export import load_exported
 
-  model, loss_fn = model_and_loss(study.model, data.num_classes, data.image_shape, seed=0,
-                                  **dict(study.model_overrides))
+  model, loss_fn = initial_model(study, data)
   return model, loss_fn, load_exported(export_dir, like=model.params).params
 
 

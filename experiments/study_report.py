@@ -36,13 +36,14 @@ import os
 
 import numpy as np
 
+from dpmuon_jax.training.export import load_exported
 from dpmuon_jax.training.records import write_csv
 from experiments.study import (
     Arm,
     PrivatelyTunedArm,
     Study,
-    final_params,
     grid_state,
+    initial_model,
     mean_std,
     reported_seeds,
     resolved,
@@ -362,12 +363,15 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
     if arm.label not in lengths or arm.optimizer not in ("dp_sgd", "dp_muon"):
       continue
     _, chosen = grid_state(study, arm, rows)
-    directory = None if chosen is None else run_dir(out, arm, chosen, selection_seed(study))
-    if directory is None or not os.path.isdir(os.path.join(directory, "export")):
+    if chosen is None:
       continue
-    model, loss_fn, end = final_params(study, os.path.join(directory, "export"), with_val)
+    model, loss_fn = initial_model(study, with_val)
     sigma = float(_arm_rows(arm, rows)[0]["noise_multiplier"])
-    points = [("end", end)] if arm.optimizer == "dp_sgd" else [("init", model.params), ("end", end)]
+    points = [] if arm.optimizer == "dp_sgd" else [("init", model.params)]
+    # The selection run's parameters, where its folder is still here (runs/ is not committed).
+    export = os.path.join(run_dir(out, arm, chosen, selection_seed(study)), "export")
+    if os.path.isdir(export):
+      points.append(("end", load_exported(export, like=model.params).params))
     for when, params in points:
       for r in nonprivate_layer_report(loss_fn, params, _probe(with_val), study.clip, sigma,
                                        float(arm.batch_size), microbatch_size=256):

@@ -233,6 +233,17 @@ def test_predictor_counts_layers_above_at_init_and_scores_the_sign():
   assert not partial["complete"] and partial["hits"] == partial["misses"] == ""
 
 
+def test_the_threshold_report_needs_no_run_folder_for_the_initialisation(tmp_path):
+  """The prediction reads the public initialisation with the arm's σ: a selection run whose
+  folder is gone (runs/ is not committed) still has its prediction; "end" needs the folder."""
+  study = dataclasses.replace(_decision_study(sizes=(256,)), dataset="digits", model="mlp",
+                              validation_size=200)
+  rows = _decision_rows(study, {256: (0.0, 0.0, 0.0)})
+  report = study_report.threshold_report(study, rows, str(tmp_path), None)
+  assert report and {(r["batch_size"], r["params"]) for r in report} == {(256, "init")}
+  assert {r["sigma"] for r in report} == {1.0}  # the rows' σ
+
+
 def test_paper1_ablation_study_is_designed_as_its_readme_says():
   study = STUDIES["paper1_ablation"]
   assert study.selection_seed == 41 and 41 not in study.seeds and len(study.seeds) == 3
