@@ -246,7 +246,7 @@ def predictor_rows(study: Study, rows: list[dict], report: list[dict]) -> list[d
       continue
     above = sum(bool(r["above_threshold"]) for r in init)
     helps = 2 * above > len(init)
-    at_end = sum(bool(r["above_threshold"]) for r in end)
+    at_end = sum(bool(r["above_threshold"]) for r in end) if end else ""  # no folder, no row
     out.append({"batch_size": b, "label": label, "layers": len(init),
                 "above_at_init": above, "above_at_end": at_end,
                 "predicted": "helps" if helps else "does not help",

@@ -242,6 +242,8 @@ def test_the_threshold_report_needs_no_run_folder_for_the_initialisation(tmp_pat
   report = study_report.threshold_report(study, rows, str(tmp_path), None)
   assert report and {(r["batch_size"], r["params"]) for r in report} == {(256, "init")}
   assert {r["sigma"] for r in report} == {1.0}  # the rows' σ
+  (point,) = predictor_rows(study, rows, report)
+  assert point["above_at_end"] == "" and point["predicted"] in ("helps", "does not help")
 
 
 def test_paper1_ablation_study_is_designed_as_its_readme_says():
