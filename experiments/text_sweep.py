@@ -304,31 +304,27 @@ def summarise_recorded(exp: TextExperiment, out: str,
 def _train_and_time(config: LMTrainConfig, log_dir: str | None, call
                     ) -> tuple[dict, float, bool]:
   """One run, resumed from the checkpoint an interrupted sweep left, else from scratch:
-  (results, seconds of this call, resumed).
+  (results, seconds of the call that finished it, resumed).
 
   A resumption that cannot finish as the run planned (a lost release it could not replay
   exactly and charged instead, a refusal, outputs without their checkpoint) is thrown
-  away and the run redone from scratch with the same published seed.
+  away and the run redone from scratch with the same published seed. A finished run's
+  checkpoints hold its root key (SECRET) and are removed; export/ stays.
   """
   if log_dir is not None:
     config = dataclasses.replace(
         config, log_dir=os.path.join(log_dir, os.path.basename(config.output_dir)))
-  if _resumable(config.output_dir):
-    started = time.perf_counter()
-    try:
-      results = call(_train, dataclasses.replace(config, resume=True))
-    except TrainingError as error:
-      results = {"stop_reason": str(error)}
-    if results.get("stop_reason") == "completed" and results["releases"] == config.steps:
-      return _without_checkpoints(config, results), time.perf_counter() - started, True
-    print(f"{config.output_dir}: the resumption did not complete as planned "
-          f"({results.get('stop_reason')}); redone from scratch.", flush=True)
-  if config.log_dir is not None:
-    shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
-  shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
   started = time.perf_counter()
-  results = call(_train, config)
-  return _without_checkpoints(config, results), time.perf_counter() - started, False
+  results = _resumed(config, call) if _resumable(config.output_dir) else None
+  resumed = results is not None
+  if not resumed:
+    if config.log_dir is not None:
+      shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
+    shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
+    started = time.perf_counter()
+    results = call(_train, config)
+  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"), ignore_errors=True)
+  return results, time.perf_counter() - started, resumed
 
 
 def _resumable(output_dir: str) -> bool:
@@ -339,11 +335,17 @@ def _resumable(output_dir: str) -> bool:
     return False
 
 
-def _without_checkpoints(config: LMTrainConfig, results: dict) -> dict:
-  """A finished run's checkpoints hold its root key (SECRET) and are never resumed: export/
-  stays."""
-  shutil.rmtree(os.path.join(config.output_dir, "checkpoints"), ignore_errors=True)
-  return results
+def _resumed(config: LMTrainConfig, call) -> dict | None:
+  """The results of the resumed run, or ``None`` where it did not complete as planned."""
+  try:
+    results = call(_train, dataclasses.replace(config, resume=True))
+  except TrainingError as error:
+    results = {"stop_reason": str(error)}
+  if results.get("stop_reason") == "completed" and results["releases"] == config.steps:
+    return results
+  print(f"{config.output_dir}: the resumption did not complete as planned "
+        f"({results.get('stop_reason')}); redone from scratch.", flush=True)
+  return None
 
 
 # ---------------------------------------------------------------------------
@@ -591,7 +593,7 @@ def decide(pairs: list[dict], seeds: int = 3, rates: list[dict] = ()) -> list[di
 
 
 def _row(variant: Variant, epsilon: float, seed: int, config: LMTrainConfig, results: dict,
-         run_seconds: float, resumed: bool = False) -> dict:
+         run_seconds: float, resumed: bool) -> dict:
   releases = int(results["releases"])
   row = {"variant": variant.label, "optimizer": variant.optimizer, "target_epsilon": epsilon,
          "seed": seed, "epsilon_spent": results["epsilon_spent"], "delta": results["delta"],
