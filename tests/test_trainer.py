@@ -154,11 +154,12 @@ def test_the_fingerprint_leaves_out_what_changes_no_release():
   import dataclasses
 
   from dpmuon_jax.text.train import LMTask, LMTrainConfig
-  from dpmuon_jax.training.driver import run_fingerprint
+  from dpmuon_jax.training.driver import data_digest, run_fingerprint
 
   config = LMTrainConfig(data_dir="d")
   arrays, stream = [np.arange(6, dtype=np.int32)], np.array([1, 2], np.uint32)
-  fingerprint = lambda c: run_fingerprint(c, arrays, stream, LMTask.evaluation_fields)  # noqa: E731
+  data = data_digest(arrays)
+  fingerprint = lambda c: run_fingerprint(c, data, stream, LMTask.evaluation_fields)  # noqa: E731
   assert LMTask.evaluation_fields
   for field in LMTask.evaluation_fields:
     value = getattr(config, field)
@@ -167,8 +168,8 @@ def test_the_fingerprint_leaves_out_what_changes_no_release():
   for release_field, value in (("clip", 2.0), ("microbatch_size", 8), ("model_seed", 1)):
     assert fingerprint(dataclasses.replace(config, **{release_field: value})) != fingerprint(
         config), release_field
-  assert run_fingerprint(config, [arrays[0] + 1], stream) != run_fingerprint(config, arrays,
-                                                                             stream)
+  other_data = data_digest([arrays[0] + 1])
+  assert run_fingerprint(config, other_data, stream) != run_fingerprint(config, data, stream)
 
 
 def test_budget_guard_stops_at_the_largest_affordable_step(tmp_path, tiny_data):

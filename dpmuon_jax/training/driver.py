@@ -174,7 +174,7 @@ class Task(Protocol):
     ...
 
   def data_arrays(self) -> Sequence[np.ndarray]:
-    """The private training arrays (digested into the run fingerprint and checkpoints)."""
+    """The private training arrays; their :func:`data_digest` enters the fingerprint."""
     ...
 
 
@@ -183,13 +183,14 @@ class Task(Protocol):
     ...
 
 
-def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarray,
+def run_fingerprint(config, data_sha256: str, stream: np.ndarray,
                     evaluation_fields: Sequence[str] = ()) -> str:
   """A digest of everything that determines the releases of a run, the data included.
 
   Two runs with equal fingerprints, resumed from the same checkpoint on the
   same backend, make bit-identical releases; the release journal replays lost
-  releases only then. ``stream`` is the noise stream the releases draw from
+  releases only then. ``data_sha256`` is :func:`data_digest` of the private
+  training arrays. ``stream`` is the noise stream the releases draw from
   (:func:`~dpmuon_jax.privacy.release.noise_stream`): a lost release redone
   from another stream would be a second release of the same sum, never a
   replay, whatever the settings say. ``evaluation_fields`` (the task's) are left out
@@ -200,10 +201,7 @@ def run_fingerprint(config, data_arrays: Sequence[np.ndarray], stream: np.ndarra
   digest = hashlib.sha256()
   digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
   digest.update(np.asarray(stream, np.uint32).tobytes())
-  for array in data_arrays:
-    array = np.ascontiguousarray(array)
-    digest.update(f"{array.dtype}{array.shape}".encode())
-    digest.update(array.tobytes())
+  digest.update(data_sha256.encode())
   digest.update(f"{jax.__version__} {jax.default_backend()} {_library_version()}".encode())
   # The key -> noise map depends on it: a replay under the other setting would add other noise.
   digest.update(f"threefry_partitionable={jax.config.values['jax_threefry_partitionable']}".encode())
@@ -489,8 +487,7 @@ def run_task(task: Task) -> dict:
   os.makedirs(config.output_dir, exist_ok=True)
   ckpt_dir = os.path.join(config.output_dir, "checkpoints")
   journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
-  data_arrays = task.data_arrays()
-  data_sha256 = data_digest(data_arrays)
+  data_sha256 = data_digest(task.data_arrays())
   resume_step, metadata = _resume_point(task, ckpt_dir, journal_path, data_sha256)
   # Several processes: process 0's root everywhere (and a barrier: all have read the run dir).
   root = agree_on_root(root_key(config.seed) if metadata is None else RootKey(
@@ -501,7 +498,7 @@ def run_task(task: Task) -> dict:
   if metadata is not None and metadata.get("stop_reason") in _FINISHED:
     return _finished(task, placed, ledger, root, ckpt_dir, metadata, resume_step)
   params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
-  fingerprint = run_fingerprint(config, data_arrays, noise_stream(opt_state),
+  fingerprint = run_fingerprint(config, data_sha256, noise_stream(opt_state),
                                 task.evaluation_fields)
   seals = read_seals(journal_path)  # SECRET: the digest of each released clipped sum
   plan = _plan_keys(run, ledger, journal_path, fingerprint, start, metadata, root, seals)
