@@ -82,6 +82,14 @@ def _assert_trees_close(got, want, rtol=1e-4):
     np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
 
 
+def _assert_upper_bounds(got, exact, slack=1e-2):
+  """Ghost norms bound the exact (vmap) ones from above: ``factor_sq_norm`` adds the
+  worst-case float32 rounding of the Gram form, documented as under 1 % of the norm."""
+  got, exact = np.asarray(got), np.asarray(exact)
+  assert np.all(got >= exact * (1 - 1e-6)), (got, exact)
+  assert np.all(got <= exact * (1 + slack)), (got, exact)
+
+
 def _l2(a, b):
   return float(jnp.sqrt(sum(jnp.sum(jnp.square(x - y))
                             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))))
@@ -137,16 +145,16 @@ def test_gpt2_ghost_matches_vmap_with_the_tied_embedding(gpt2):
                                              ("norm",)}
   assert ("token_embed", "embedding") in coverage.ghost
   want_norms = _vmap_norms(loss_fn, params, batch)
-  np.testing.assert_allclose(_ghost_norms(loss_fn, params, batch), want_norms, rtol=1e-4)
+  _assert_upper_bounds(_ghost_norms(loss_fn, params, batch), want_norms)
   clip = float(jnp.median(want_norms))  # some rows clipped, some not
   mask = jnp.array([True, True, True, False, True, True])
   want = _vmap_sum(loss_fn, params, batch, mask, clip)
   got = jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clip))(params)
   assert 0 < float(got.stats.num_clipped) < 5
   assert got.l2_sensitivity == want.l2_sensitivity == clip
-  _assert_trees_close(got.total, want.total)
+  _assert_trees_close(got.total, want.total, rtol=1e-2)  # clipped rows scaled by ≤ 1 % less
   for g, w in zip(got.stats, want.stats, strict=True):
-    np.testing.assert_allclose(g, w, rtol=1e-4)
+    np.testing.assert_allclose(g, w, rtol=1e-2)
 
 
 def test_cnn_patch_conv_ghost_matches_vmap_microbatched_with_group_norm():
@@ -163,9 +171,10 @@ def test_cnn_patch_conv_ghost_matches_vmap_microbatched_with_group_norm():
   got = jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clip, microbatch_size=3)
                 )(model.params)
   assert 0 < float(got.stats.num_clipped) < 5
-  _assert_trees_close(got.total, want.total)
+  _assert_trees_close(got.total, want.total, rtol=1e-2)  # the norms bound from above
   for g, w in zip(got.stats, want.stats, strict=True):  # the norms of the real rows
-    np.testing.assert_allclose(g, w, rtol=1e-4)
+    np.testing.assert_allclose(g, w, rtol=1e-2)
+  _assert_upper_bounds(_ghost_norms(loss_fn, model.params, batch), norms)
 
 
 @pytest.mark.parametrize("clipping", [per_layer_clipping(0.3), automatic_clipping(0.5),
@@ -209,6 +218,51 @@ def test_neighbouring_batches_differ_by_at_most_c_even_with_a_huge_gradient(mlp)
     diff = _l2(full.total, run(removed, None).total)
     assert diff <= clip * (1 + 1e-5)
   assert float(full.stats.norm_max) > 1e4 * clip
+
+
+def _cancelling_batch(seq=16, width=16, size=64, scale=1e6):
+  """Sequence regression through one tapped 16 → 16 Linear, whose per-example loss
+  ½Σ_t‖x_t W − y_t‖² lets each example's writer set its output gradients
+  g_t = x_t W − y_t. Every example has x_t = a and g_t = (−1)^t·scale·v + noise_t: its
+  gradient a(Σ_t noise_t)ᵀ is moderate, while its Gram form adds seq² terms of size
+  ~scale² that cancel (seq² ≤ width², so the Gram form is the one used)."""
+  model = tapped_model(nnx.Linear(width, width, use_bias=False, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  a, v = rng.normal(size=width), rng.normal(size=width)
+  signs = np.where(np.arange(seq) % 2 == 0, 1.0, -1.0)[None, :, None]
+  g = signs * scale * v / np.linalg.norm(v) + 10.0 * rng.normal(size=(size, seq, width))
+  x = np.broadcast_to(a, (size, seq, width))
+  y = x @ np.asarray(model.params["kernel"]) - g
+  loss_fn = lambda p, b: 0.5 * jnp.sum((model.apply(p, b["x"]) - b["y"]) ** 2)
+  return loss_fn, model.params, {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}
+
+
+def test_cancelling_gram_terms_cannot_shrink_a_ghost_norm():
+  """The float32 Gram of these examples loses most of their norm to cancellation; the
+  bound ghost clips by stays above the exact norm, so each moves the sum by ≤ C."""
+  loss_fn, params, batch = _cancelling_batch()
+  exact = _vmap_norms(loss_fn, params, batch)
+  got = _ghost_norms(loss_fn, params, batch)
+  assert np.all(np.asarray(got) >= np.asarray(exact) * (1 - 1e-6))
+  clip = 1.0
+  run = jax.jit(lambda m: ghost_clipped_sum(loss_fn, params, batch, m, clip))
+  full = run(jnp.ones(64, bool))
+  for i in np.argsort(np.asarray(got) / np.asarray(exact))[:4]:
+    assert _l2(full.total, run(jnp.arange(64) != i).total) <= clip * (1 + 1e-5)
+
+
+def test_a_negative_token_id_is_the_row_the_lookup_reads():
+  """The lookup reads id −1 as row V − 1 (and the book-keeping adds it there), so the
+  ghost norm must count −1 and V − 1 as one row."""
+  vocab = 8
+  model = tapped_model(nnx.Embed(vocab, 4, rngs=nnx.Rngs(0)))
+  loss_fn = lambda p, b: jnp.sum(model.apply(p, b["tokens"]))
+  batch = {"tokens": jnp.asarray([[-1, vocab - 1] * 3, [0, 1, 2, 3, 4, 5]], jnp.int32)}
+  np.testing.assert_allclose(_ghost_norms(loss_fn, model.params, batch),
+                             _vmap_norms(loss_fn, model.params, batch), rtol=1e-5)
+  run = jax.jit(lambda m: ghost_clipped_sum(loss_fn, model.params, batch, m, 0.1))
+  assert _l2(run(jnp.array([True, True])).total, run(jnp.array([False, True])).total) <= 0.1 * (
+      1 + 1e-5)
 
 
 def test_each_gpt2_example_moves_the_sum_by_its_clipped_norm(gpt2):

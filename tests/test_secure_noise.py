@@ -95,6 +95,23 @@ def test_rounded_sum_is_exact_with_negative_values_and_many_examples():
   np.testing.assert_array_equal(exact, (units * np.asarray(mask)[:, None]).sum(0))
 
 
+def test_a_grid_sum_over_more_examples_than_its_limbs_hold_is_refused():
+  """At k = 22 the high limbs of ~131k examples at ±C reach 2³¹: the sum is exact up to
+  ``max_grid_examples`` and a release over more (where int32 would wrap) is refused."""
+  rule = Clipping(C, grid_bits=22)
+  n = rule.max_grid_examples
+  grid = round_to_grid(jnp.full((n, 1), C, jnp.float32), jnp.ones(n, bool), 22, C)
+  assert int(grid.hi[0]) * 256 + int(grid.lo[0]) == n * 2**22
+  wraps = 2**31 // 2**14 + 2  # n·2¹⁴ > 2³¹ − 1
+  release = _release(clipping=rule)
+  params = {"w": jnp.zeros(1)}
+  too_many = {"w": jnp.full((wraps, 1), C, jnp.float32)}
+  with pytest.raises(ValueError, match="int32 limbs sum exactly"):
+    release.update(too_many, release.init(params), params)
+  with pytest.raises(ValueError, match="int32 limbs sum exactly"):  # a sum made beforehand
+    release.update(dm.clip_and_sum(too_many, None, rule), release.init(params), params)
+
+
 def test_adding_one_example_moves_the_release_by_at_most_the_grid_sensitivity():
   params = {"a": jnp.zeros((30, 4)), "b": jnp.zeros(4)}
   rng = np.random.default_rng(1)

@@ -128,6 +128,20 @@ class Clipping:
       raise ValueError("This clipping rule has no grid (grid_bits=None).")
     return self.l2_clip_norm / 2**self.grid_bits
 
+  @property
+  def max_grid_examples(self) -> int:
+    """How many rounded queries one int32-limb grid sum holds exactly.
+
+    A rounded coordinate is at most 2ᵏ + 1 in magnitude, so its high limb
+    ⌊r/2⁸⌋ is at most 2ᵏ⁻⁸ + 1 and its low limb at most 255; n of them sum
+    exactly while n·(2ᵏ⁻⁸ + 1) and n·255 stay below 2³¹ (131,063 at k = 22,
+    8,355,967 at k = 16). A larger sum could wrap, so the release refuses it.
+    """
+    if self.grid_bits is None:
+      raise ValueError("This clipping rule has no grid (grid_bits=None).")
+    limit = 2**31 - 1
+    return min(limit // (2 ** (self.grid_bits - LIMB_BITS) + 1), limit // (2**LIMB_BITS - 1))
+
   def grid_sensitivity(self, dim: int) -> float:
     """L2 sensitivity of one rounded clipped query in grid units: 2ᵏ + √d/2."""
     return 2.0**self.grid_bits + math.sqrt(dim) / 2  # pyright: ignore[reportOperatorIssue]

@@ -241,8 +241,10 @@ def _site_factors(site: Site, inputs: jax.Array, grad: jax.Array, shapes: dict[P
   b = grad.shape[0]
   g = _rows(grad.astype(jnp.float32), b)
   weight = _path(site.params[0])
-  if site.kind == "embed":
-    return [(weight, Factor(_rows(inputs, b, features=False), g, shapes[weight][0]))]
+  if site.kind == "embed":  # ids as the lookup reads them: -1 is row V - 1
+    vocab = shapes[weight][0]
+    ids = _rows(inputs, b, features=False)
+    return [(weight, Factor(jnp.where(ids < 0, ids + vocab, ids), g, vocab))]
   a = _rows(inputs.astype(jnp.float32), b)
   if site.kind == "attend":
     return [(weight, Factor(g, a, g.shape[-1]))]
@@ -256,25 +258,80 @@ def _is_ids(f: Factor) -> bool:
   return f.left.ndim == 2
 
 
+_HIGHEST = jax.lax.Precision.HIGHEST  # float32 products on GPU (not TF32) and TPU (not bf16)
+_BLOCK = 256  # features per partial Gram
+_ROUNDOFF = 2.0 ** -24  # float32's unit roundoff u
+
+
+def _gram(x: jax.Array, y: jax.Array) -> jax.Array:
+  """(B, N, p), (B, M, p) → (B, N, M) inner products x_t·y_s, from partial Grams of at most
+  ``_BLOCK`` features added in order (a ``lax.scan``), so each entry errs by at most
+  (``_dot_error(p)``)·u·Σ_k abs(x_tk y_sk), whatever order the backend sums a dot in."""
+  dot = lambda a, b: jnp.einsum("bnp,bmp->bnm", a, b, precision=_HIGHEST)
+  p = x.shape[-1]
+  if p <= _BLOCK:
+    return dot(x, y)
+  blocks = -(-p // _BLOCK)
+  padded = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, blocks * _BLOCK - p)])
+  split = lambda a: jnp.moveaxis(padded(a).reshape(a.shape[:2] + (blocks, _BLOCK)), 2, 0)
+  zeros = jnp.zeros(x.shape[:2] + y.shape[1:2], jnp.float32)
+  return jax.lax.scan(lambda acc, xy: (acc + dot(*xy), None), zeros, (split(x), split(y)))[0]
+
+
+def _dot_error(width: int) -> int:
+  """The roundings one entry of :func:`_gram` of ``width`` features can accumulate: a dot of
+  at most ``_BLOCK`` products, then one addition per further block."""
+  return min(width, _BLOCK) + -(-width // _BLOCK)
+
+
+_LEAF = 16  # terms summed in any order before the pairwise additions
+
+
+def _pairwise_sum(x: jax.Array) -> jax.Array:
+  """Σ over every axis but the first: sums of ``_LEAF`` terms, then halving, so each
+  total errs by at most ``_sum_error(n)``·u·Σ abs(x) (slices and additions XLA keeps as
+  written)."""
+  x = x.reshape(x.shape[0], -1)
+  size = _LEAF << max(0, (-(-x.shape[1] // _LEAF) - 1).bit_length())
+  x = jnp.sum(jnp.pad(x, [(0, 0), (0, size - x.shape[1])]).reshape(x.shape[0], -1, _LEAF),
+              axis=-1)
+  while x.shape[1] > 1:
+    x = x[:, : x.shape[1] // 2] + x[:, x.shape[1] // 2:]
+  return x[:, 0]
+
+
+def _sum_error(n: int) -> int:
+  """The roundings one total of :func:`_pairwise_sum` over ``n`` terms can accumulate."""
+  return _LEAF + max(0, (-(-n // _LEAF) - 1).bit_length())
+
+
 def _left_gram(u: Factor, v: Factor) -> jax.Array:
-  """(B, N_u, N_v) inner products of the left rows (onehot rows stay implicit)."""
+  """(B, N_u, N_v) inner products of the left rows (onehot rows stay implicit; exact)."""
   if _is_ids(u) and _is_ids(v):
     return (u.left[:, :, None] == v.left[:, None, :]).astype(jnp.float32)
   if _is_ids(u):  # onehot(x_t) · l_s = l_s[x_t]
     return jax.vmap(lambda ids, dense: jnp.take(dense, ids, axis=1).T)(u.left, v.left)
   if _is_ids(v):
     return jnp.swapaxes(_left_gram(v, u), 1, 2)
-  return jnp.einsum("bnp,bmp->bnm", u.left, v.left)
+  return _gram(u.left, v.left)
 
 
 def _pair(u: Factor, v: Factor) -> jax.Array:
   """⟨G_u, G_v⟩ per example = Σ_{t,s} (l_t·l_s)(r_t·r_s)."""
-  right = jnp.einsum("bnq,bmq->bnm", u.right, v.right)
-  return jnp.sum(_left_gram(u, v) * right, axis=(1, 2))
+  return _pairwise_sum(_left_gram(u, v) * _gram(u.right, v.right))
+
+
+def _self_pair(f: Factor) -> tuple[jax.Array, jax.Array]:
+  """‖G_f‖² per example by the Gram form, and Σ_t ‖l_t‖‖r_t‖ from the Grams' diagonals
+  (sums of squares: no cancellation)."""
+  left, right = _left_gram(f, f), _gram(f.right, f.right)
+  rows = jnp.sqrt(jnp.maximum(jnp.diagonal(left, axis1=1, axis2=2), 0.0)
+                  * jnp.maximum(jnp.diagonal(right, axis1=1, axis2=2), 0.0))
+  return _pairwise_sum(left * right), jnp.sum(rows, axis=1)
 
 
 def _dense_grad(f: Factor) -> jax.Array:
-  return jnp.einsum("bnp,bnq->bpq", f.left, f.right)
+  return jnp.einsum("bnp,bnq->bpq", f.left, f.right, precision=_HIGHEST)
 
 
 def _stacked(uses: list[Factor]) -> list[Factor]:
@@ -291,17 +348,43 @@ def _stacked(uses: list[Factor]) -> list[Factor]:
 
 
 def factor_sq_norm(uses: list[Factor]) -> jax.Array:
-  """‖Σ_u G_u‖_F² per example, (B,): Σ over pairs of stacked factors of their Gram
-  products, or ‖LᵀR‖² directly for dense rows only with N² > p·q (Li et al., §4)."""
+  """An upper bound on ‖Σ_u G_u‖_F² per example, (B,), that float32 rounding cannot
+  push below the norm of the vector summed.
+
+  The Gram form Σ_{t,s} (l_t·l_s)(r_t·r_s) (Li et al., §4) adds N² signed terms that
+  can be far larger than their sum: an example built to make them cancel gets a
+  float32 Gram far below its norm and would be clipped too little. A sum of n
+  products errs by at most n·u·Σ abs(products) (to first order; Higham, "Accuracy and
+  Stability of Numerical Algorithms", §3.1), and Σ_{t,s} Σ_k abs(l_tk l_sk) Σ_j abs(r_tj r_sj)
+  ≤ W = (Σ_t ‖l_t‖‖r_t‖)² (Cauchy–Schwarz), so ::
+
+      ‖G‖² ≤ Gram + 2(e_l + e_r + e_Σ + 4)·u·W   and   ‖G‖² ≤ W (triangle inequality),
+
+  e_l, e_r the roundings of one left / right inner product (:func:`_dot_error`;
+  0 for onehot rows), e_Σ those of the sum over the N² pairs (:func:`_sum_error`),
+  u = 2⁻²⁴, the factor 2 covering second-order terms; W comes from the Grams'
+  diagonals. The smaller bound is returned. The direct form ‖LᵀR‖_F (dense rows,
+  N² > p·q) errs by at most N·u·√W in the norm. On natural data both add well
+  under 1 % to the norm (``python benchmarks/bench_ghost_bound.py``).
+  """
   stacked = _stacked(uses)
+  rows = sum(f.right.shape[1] for f in stacked)
   if len(stacked) == 1 and not _is_ids(stacked[0]):
     (f,) = stacked
     if f.left.shape[1] ** 2 > f.left.shape[2] * f.right.shape[2]:
-      return jnp.sum(jnp.square(_dense_grad(f)), axis=(1, 2))
-  total = sum(_pair(u, u) for u in stacked)
+      bound = jnp.sum(jnp.linalg.norm(f.left, axis=-1) * jnp.linalg.norm(f.right, axis=-1), 1)
+      direct = jnp.sqrt(jnp.sum(jnp.square(_dense_grad(f)), axis=(1, 2)))
+      return jnp.square(direct + 2.0 * rows * _ROUNDOFF * bound)
+  pairs = [_self_pair(f) for f in stacked]
+  total = sum(gram for gram, _ in pairs)
   if len(stacked) == 2:
     total = total + 2.0 * _pair(*stacked)
-  return jnp.asarray(total)
+  w = jnp.square(sum(row_norms for _, row_norms in pairs))
+  dots = (max((_dot_error(f.left.shape[-1]) for f in stacked if not _is_ids(f)), default=0)
+          + _dot_error(stacked[0].right.shape[-1]))
+  slack = 2.0 * (dots + _sum_error(rows * rows) + 4) * _ROUNDOFF
+  cap = 1.0 + 2.0 * (dots + _sum_error(rows) + 4) * _ROUNDOFF  # W's own rounding
+  return jnp.minimum(jnp.maximum(jnp.asarray(total), 0.0) + slack * w, cap * w)
 
 
 def _keep_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
@@ -321,7 +404,8 @@ def factor_weighted_sum(uses: list[Factor], weights: jax.Array, keep: jax.Array,
     else:  # weight the narrower factor; one (B·N, p)ᵀ(B·N, q) matmul
       left, right = _keep_rows(f.left, keep), _keep_rows(f.right, keep)
       left, right = (left * w, right) if left.shape[-1] <= q else (left, right * w)
-      total = total + left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, q)
+      total = total + jnp.matmul(left.reshape(-1, left.shape[-1]).T, right.reshape(-1, q),
+                                 precision=_HIGHEST)
   return total.reshape(shape)
 
 

@@ -270,7 +270,9 @@ class ClippedSum:
     """‖total‖₂ and n·Δ·(1 + rtol + n·2⁻²⁴) + Δ·atol, n = num_examples, Δ one example's bound.
 
     Δ = C (float sums) or 2ᵏ + √d/2 grid units (secure-noise mode, where the
-    norm is that of the exact integer sum).
+    norm is that of the exact integer sum; a grid sum over more examples than
+    :attr:`~dpmuon_jax.privacy.clipping.Clipping.max_grid_examples` gets the
+    bound −1, which no norm meets, since its limbs may have wrapped).
     """
     if self.grid_bits is None:
       per_example, total = self.l2_sensitivity, self.total
@@ -282,6 +284,8 @@ class ClippedSum:
       per_example = self.clipping.grid_sensitivity(dim)
     n = self.stats.num_examples
     bound = n * per_example * (1 + BOUND_RTOL + n * 2.0**-24) + per_example * BOUND_ATOL
+    if self.grid_bits is not None:  # more examples than the limbs hold exactly: no bound
+      bound = jnp.where(n <= self.clipping.max_grid_examples, bound, -1.0)
     return flat_norm(total), bound
 
   def __add__(self, other: Any) -> ClippedSum:

@@ -415,6 +415,7 @@ def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> Cl
     )
   if not isinstance(updates, ClippedSum):
     check_per_example_shapes(updates, params)
+    _refuse_grid_overflow(jax.tree.leaves(updates)[0].shape[0], spec.clipping)
     return clip_and_sum(updates, mask, spec.clipping)
   if mask is not None:
     raise ValueError("mask applies to per-example queries, not to a ClippedSum.")
@@ -447,6 +448,15 @@ def _warn_refused() -> None:
   )
 
 
+def _refuse_grid_overflow(examples: float, clipping: Clipping) -> None:
+  """A grid sum of more examples than its int32 limbs hold exactly could have wrapped."""
+  if clipping.grid_bits is not None and examples > clipping.max_grid_examples:
+    raise ValueError(
+        f"A grid sum of {examples:g} examples is more than the {clipping.max_grid_examples} "
+        f"its int32 limbs sum exactly at grid_bits={clipping.grid_bits}: lower grid_bits or "
+        "release smaller batches.")
+
+
 def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
   """``clipped`` if its seal matches its bits and ‖total‖₂ ≤ num_examples·C (privacy invariant 8).
 
@@ -469,6 +479,8 @@ def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
           "statistics and clipping rule): "
           "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
           "disjoint examples with a.add_disjoint(b).")
+    if clipped.grid_bits is not None:
+      _refuse_grid_overflow(float(clipped.stats.num_examples), clipped.clipping)
     if not concrete[1]:
       raise ValueError(
           f"The ClippedSum's norm {float(norm):.6g} exceeds num_examples x bound = "
