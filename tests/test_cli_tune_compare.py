@@ -7,6 +7,7 @@ import os
 import pytest
 
 from dpmuon_jax.cli import _parser, main
+from dpmuon_jax.training.export import load_exported
 
 SMALL = ["--model", "mlp", "--epochs", "1", "--batch-size", "64", "--max-steps", "2"]
 
@@ -32,6 +33,14 @@ def test_tune_selects_a_learning_rate_within_the_total_budget(tmp_path, capsys):
   assert record["export"] == "export"  # relative: still right after the run was moved
   assert record["config"]["output_dir"] == str(selected.resolve())
   assert summary["selected_run"]["releases"] == 2
+  # The published model carries the ε of the whole search, not of its run alone.
+  certificate = json.loads((selected / "export" / "privacy_certificate.json").read_text())
+  assert certificate["epsilon"] == summary["epsilon"] > certificate["training_epsilon_per_run"]
+  # the run's own releases (2 of the planned steps: --max-steps) spend no more than planned
+  assert 0 < certificate["training_epsilon_per_run"] <= summary["training_epsilon_per_run"]
+  assert certificate["guarantee"] == summary["guarantee"]
+  assert certificate["tuning"]["learning_rate"] == summary["learning_rate"]
+  assert load_exported(str(selected / "export")).certificate == certificate  # digest intact
   assert [p for p in os.listdir(out) if p.startswith(".")] == []  # temporary runs removed
   printed = capsys.readouterr().out
   assert "chosen learning rate" in printed and "whole tuning procedure" in printed

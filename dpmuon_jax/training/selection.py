@@ -19,9 +19,11 @@ procedure spends at most the target ε.
 Published, and covered by the tuned (ε, δ): ``tuning.json`` (the chosen
 learning rate, its noisy score, the guarantee) and ``selected_run/`` (what
 ``dpmuon train`` writes for that run; its checkpoints are SECRET as always,
-its ``export/`` is public, and its per-run certificate says, rightly, that it
-does not cover the search). K, the other runs and their scores stay hidden:
-they are deleted as soon as they are beaten. ``show_all_runs`` adds them to
+its ``export/`` is public, and its certificate is rewritten to the tuned ε and
+guarantee, the run's own ε kept as ``training_epsilon_per_run``, so the
+exported model never travels with an ε that the search exceeds). K, the
+other runs and their scores stay hidden: they are deleted as soon as they are
+beaten. ``show_all_runs`` adds them to
 ``tuning.json`` under ``nonprivate_runs``, outside the guarantee; so is the
 running time, which grows with K.
 """
@@ -54,7 +56,7 @@ from dpmuon_jax.privacy.tuning import (
     noisy_score,
     private_tune,
 )
-from dpmuon_jax.training.export import load_exported
+from dpmuon_jax.training.export import export_model, load_exported
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, evaluation_fn, train
 
 SUMMARY_FILE = "tuning.json"
@@ -166,9 +168,7 @@ def _guarantee(out: TuningResult) -> str:
   text = (f"({out.epsilon:.4g}, {out.delta:g})-differential privacy for the whole tuning "
           "procedure (add/remove one example of the training or the validation part), "
           "covering the chosen learning rate, its noisy score and selected_run/; the number of "
-          "runs, the other runs and the running time are not covered and stay unpublished; "
-          "the certificate in selected_run/export/ gives the ε of that run alone, which the "
-          "search exceeds: this ε is the one that holds")
+          "runs, the other runs and the running time are not covered and stay unpublished")
   if out.seeded:
     text += "; the randomness came from a user seed, so it holds only while that seed is secret"
   return text + "."
@@ -207,6 +207,22 @@ def _summary(config: TrainConfig, options: TuneOptions, plan: _Plan, out: Tuning
     summary["nonprivate_runs"] = [
         {"learning_rate": r.candidate, "score": r.score} for r in out.nonprivate_runs]
   return summary
+
+
+def _certify_tuned_export(run_dir: str, summary: dict) -> None:
+  """Rewrites the selected run's exported certificate to the tuned (ε, δ) and guarantee:
+  the exported model is the output of the whole search, so its per-run ε does not hold."""
+  with open(os.path.join(run_dir, "results.json")) as f:
+    export_dir = os.path.join(run_dir, json.load(f)["export"])
+  exported = load_exported(export_dir)
+  certificate = {k: v for k, v in exported.certificate.items() if k != "params_sha256"}
+  certificate.update(
+      training_epsilon_per_run=certificate["epsilon"], epsilon=summary["epsilon"],
+      delta=summary["delta"], target_epsilon=summary["target_epsilon"],
+      guarantee=summary["guarantee"],
+      tuning={k: summary[k] for k in ("learning_rates", "distribution", "validation_size",
+                                       "score_std", "learning_rate", "score")})
+  export_model(export_dir, exported.params, certificate)
 
 
 def _relocate_results(run_dir: str, old_dir: str) -> None:
@@ -262,6 +278,8 @@ def tune_learning_rate(config: TrainConfig, data: ImageDataset, options: TuneOpt
   finally:
     shutil.rmtree(runs_dir, ignore_errors=True)
   summary = _summary(config, options, plan, out, selected_dir if out.result else None)
+  if out.result is not None:
+    _certify_tuned_export(selected_dir, summary)
   with open(summary_path, "w") as f:
     json.dump(summary, f, indent=2)
   return summary
