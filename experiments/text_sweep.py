@@ -307,9 +307,11 @@ def _train_and_time(config: LMTrainConfig, log_dir: str | None, call
   (results, seconds of the call that finished it, resumed).
 
   A resumption that cannot finish as the run planned (a lost release it could not replay
-  exactly and charged instead, a refusal, outputs without their checkpoint) is thrown
-  away and the run redone from scratch with the same published seed. A finished run's
-  checkpoints hold its root key (SECRET) and are removed; export/ stays.
+  exactly and charged instead, a refusal, outputs without their checkpoint) is set
+  aside whole in ``<run>.discarded-<k>`` (its journal keeps the releases it made; its
+  checkpoints, which hold the root key, are removed) and the run redone from scratch
+  with the same published seed. A finished run's checkpoints are removed too; export/
+  stays.
   """
   if log_dir is not None:
     config = dataclasses.replace(
@@ -320,11 +322,23 @@ def _train_and_time(config: LMTrainConfig, log_dir: str | None, call
   if not resumed:
     if config.log_dir is not None:
       shutil.rmtree(config.log_dir, ignore_errors=True)  # an interrupted run's events
-    shutil.rmtree(config.output_dir, ignore_errors=True)  # an interrupted run's files
+    _set_aside(config.output_dir)  # an interrupted run's files, its journal kept
     started = time.perf_counter()
     results = call(_train, config)
   shutil.rmtree(os.path.join(config.output_dir, "checkpoints"), ignore_errors=True)
   return results, time.perf_counter() - started, resumed
+
+
+def _set_aside(output_dir: str) -> None:
+  """Moves an interrupted run's folder to the first free ``<output_dir>.discarded-<k>``,
+  less its checkpoints (SECRET), so the releases its journal records are never lost."""
+  if not os.path.isdir(output_dir):
+    return
+  shutil.rmtree(os.path.join(output_dir, "checkpoints"), ignore_errors=True)
+  k = 1
+  while os.path.exists(f"{output_dir}.discarded-{k}"):
+    k += 1
+  os.replace(output_dir, f"{output_dir}.discarded-{k}")
 
 
 def _resumable(output_dir: str) -> bool:
@@ -768,9 +782,10 @@ def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
   for variant in variants:
     for method in methods:
       for microbatch in microbatch_sizes or (exp.microbatch_size,):
-        config = dataclasses.replace(
+        config = dataclasses.replace(  # keys from OS entropy: no study seed's noise reused
             run_config(exp, variant, max(exp.epsilons), exp.seeds[0], out, data_dir, gpt2_dir,
                        False),
+            seed=None,
             output_dir=os.path.join(out, "runs", "measure",
                                     f"{_slug(variant.label)}_{method}_mb{microbatch}"),
             init_weights=gpt2_dir, steps=releases + 1, eval_every=1, eval_pairs=1,

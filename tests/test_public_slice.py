@@ -65,6 +65,17 @@ def test_real_public_slice_counts_and_no_public_restaurant_is_private():
     data = load_split(config, split)
     assert len(data.pairs) == kept
     assert not {e2e_name(p.source) for p in data.pairs} & PUBLIC_NAMES
+  # Names cross the line only in text (experiments/results/README.md says so): public
+  # references that name a private restaurant, and private pairs near a public one.
+  private_names = {e2e_name(p.source) for p in private.pairs}
+  crossing = [(e2e_name(p.source), n) for p in public.pairs for n in sorted(private_names)
+              if n in p.target]
+  assert len({id(p) for p in public.pairs if any(n in p.target for n in private_names)}) == 6
+  assert {n for _, n in crossing} == {"Zizzi", "The Mill", "Clowns", "The Wrestlers"}
+  near = [f.partition(":")[2].strip() for p in private.pairs for f in p.source.split("|")
+          if f.partition(":")[0].strip() == "near"]
+  assert sum(n in PUBLIC_NAMES for n in near) == 888
+  assert {n for n in near if n in PUBLIC_NAMES} == {"The Rice Boat"}
   # The private run's N is the private count (the accountant's dataset size).
   config = LMTrainConfig(data_dir=TEXT_DIR, public_slice=E2E_PUBLIC_SLICE, vocab_size=512,
                          train_split="test", generate_splits=())

@@ -343,7 +343,7 @@ def test_sweep_is_restartable_and_a_rerun_trains_nothing_new(tmp_path, monkeypat
   recorded = text_sweep.read_rows(str(tmp_path / "runs.csv"))
   assert [(r["variant"], r["target_epsilon"], r["seed"]) for r in recorded] == [
       ("A", 8.0, 37), ("B", 8.0, 37)]  # appended as each run finished
-  # The rerun redoes the interrupted run from scratch (its files removed), then the rest.
+  # The rerun redoes the interrupted run from scratch (its files set aside), then the rest.
   fake = _FakeTrainer()
   monkeypatch.setattr(text_sweep, "train_lm", fake)
   rows = text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
@@ -373,7 +373,8 @@ def test_sweep_is_restartable_and_a_rerun_trains_nothing_new(tmp_path, monkeypat
 def test_an_interrupted_sweep_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
   """The sweep resumes a run its interruption left at a checkpoint; the result is the
   uninterrupted run's. A checkpoint it may not resume (other settings) is redone from
-  scratch. Either way the secret checkpoints are gone afterwards."""
+  scratch, the attempt set aside with its journal. Either way the secret checkpoints
+  are gone afterwards."""
   config = _tiny_config(tmp_path, eval_every=None, generate_splits=(), checkpoint_every=1)
   train_lm(dataclasses.replace(config, max_steps=2))  # the interruption: a checkpoint at 2
   results, _, resumed = text_sweep._train_and_time(config, None, text_sweep._in_this_process)
@@ -383,6 +384,9 @@ def test_an_interrupted_sweep_run_resumes_from_its_checkpoint_bit_for_bit(tmp_pa
   train_lm(dataclasses.replace(config, max_steps=2, clip=2.0))  # a run the sweep no longer makes
   whole, _, resumed = text_sweep._train_and_time(config, None, text_sweep._in_this_process)
   assert not resumed and whole["releases"] == 3
+  aside = config.output_dir + ".discarded-1"  # the set-aside attempt keeps its journal
+  assert len(read_journal(os.path.join(aside, JOURNAL_NAME))) == 2
+  assert not os.path.exists(os.path.join(aside, "checkpoints"))
   assert results["valid_nll"] == whole["valid_nll"]  # the resumed run is the whole run
   assert not os.path.exists(os.path.join(config.output_dir, "checkpoints"))
 
