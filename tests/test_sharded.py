@@ -87,6 +87,23 @@ _SCRIPT = textwrap.dedent(
       out["noise_rms"] = float(np.sqrt(np.mean(noise ** 2)))
       out["noise_mean"] = float(np.mean(noise))
 
+      # The same release from two disjoint chunks (an overflow) with ghost clipping on the
+      # mesh: one noise draw, the one-chunk single-device parameters.
+      half = jnp.arange(sampler.capacity) < sampler.capacity // 2
+      mask = jnp.asarray(chunk.mask)
+      two_chunks = [(batch, mask & half), (batch, mask & ~half)]
+      def delta_chunks(sigma):
+        opt = dp_sgd(1.0, C, sigma, D, key=23)
+        step = make_private_step(opt, big_loss, mesh=mesh8, clipped_sum_method="ghost")
+        o = step(big, opt.init(big), two_chunks)
+        return o.params["v"], float(o.stats.num_examples)
+      (with_noise, n_chunks), (without, _) = delta_chunks(SIGMA), delta_chunks(0.0)
+      noise2 = np.asarray(with_noise - without)
+      out["noise_rms_two_chunks"] = float(np.sqrt(np.mean(noise2 ** 2)))
+      out["examples_two_chunks"] = n_chunks
+      out["examples_one_chunk"] = float(mask.sum())
+      out["two_chunks_vs_single"] = float(jnp.max(jnp.abs(with_noise - delta(SIGMA))))
+
     # No example twice: indices gathered per device shard.
     seen, total = [], 0
     dup_free = True
@@ -146,6 +163,19 @@ def test_noise_is_added_once_on_the_global_sum(results):
     lo_w, hi_w = std_interval(NOISE_DIM, wrong)
     assert not lo_w <= rms <= hi_w
   assert abs(results["noise_mean"]) < 6 * expected / np.sqrt(NOISE_DIM)
+
+
+def test_overflow_chunks_with_ghost_on_the_mesh_make_one_release(results):
+  """Two disjoint chunks of one step, ghost-clipped on 8 devices: every example counted
+  once, the noise drawn once (σC/D, two-sided), the one-chunk release's parameters."""
+  assert results["examples_two_chunks"] == results["examples_one_chunk"] > 0
+  rms, expected = results["noise_rms_two_chunks"], SIGMA * CLIP / DENOMINATOR
+  lo, hi = std_interval(NOISE_DIM, expected)
+  assert lo <= rms <= hi
+  for wrong in (expected / np.sqrt(NUM_DEVICES), expected * np.sqrt(2)):  # per device / chunk
+    lo_w, hi_w = std_interval(NOISE_DIM, wrong)
+    assert not lo_w <= rms <= hi_w
+  assert results["two_chunks_vs_single"] < 1e-5
 
 
 def test_no_example_enters_a_step_twice(results):
