@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from scipy.stats import norm
 from stats import std_interval
 
 import dpmuon_jax as dm
+from dpmuon_jax.privacy.accounting import RDP_ORDERS, release_rdp
 from dpmuon_jax.privacy.keys import split_streams
 from dpmuon_jax.privacy.release import gaussian_noise_like
 
@@ -159,6 +161,30 @@ def test_release_spec_and_validation():
 def test_replace_one_adjacency_halves_the_accounted_sigma():
   release = dm.dp_release(C, SIGMA, D, key=1, neighbouring="replace_one")
   assert release.release.accounting_noise_multiplier == pytest.approx(SIGMA / 2)
+
+
+def _renyi(log_p, log_q, dx, order):
+  """D_α(P ‖ Q) = log ∫ p^α q^(1−α) / (α − 1), on a uniform grid."""
+  return (np.logaddexp.reduce(order * log_p + (1 - order) * log_q) + np.log(dx)) / (order - 1)
+
+
+@pytest.mark.parametrize("sigma", [0.6, 1.0, 2.0])
+@pytest.mark.parametrize("q", [0.01, 0.1, 0.5])
+def test_replace_one_accounting_bounds_the_replace_one_divergence(sigma, q):
+  """The ledger accounts a replace-one release as add/remove at σ/2. One release on
+  neighbours that swap a query +C for −C (C = 1; the sampled slot's two values as far
+  apart as clipping allows) or for 0 is a pair of Gaussian mixtures; its Rényi
+  divergence, integrated numerically both ways, must stay below the accounted curve."""
+  release = dm.dp_release(1.0, sigma, D, key=1, neighbouring="replace_one")
+  accounted = release_rdp(release.release.accounting_noise_multiplier, q)
+  x, dx = np.linspace(-40 * sigma, 40 * sigma, 200_001, retstep=True)
+  log_mix = lambda mu: np.logaddexp(np.log1p(-q) + norm.logpdf(x, 0, sigma),
+                                    np.log(q) + norm.logpdf(x, mu, sigma))
+  for order in (2.0, 8.0, 32.0):
+    bound = accounted[list(RDP_ORDERS).index(order)]
+    for other in (-1.0, 0.0):
+      p, r = log_mix(1.0), log_mix(other)
+      assert max(_renyi(p, r, dx, order), _renyi(r, p, dx, order)) <= bound
 
 
 @pytest.mark.parametrize("make", [dm.dp_sgd, dm.dp_adam, dm.dp_adamw])
