@@ -17,7 +17,11 @@ gradient G = Σ_t a_t g_tᵀ = Aᵀ G_out (rows t = positions), and ::
     ‖Aᵀ G_out‖_F² = Σ_{t,s} (a_t·a_s)(g_t·g_s)                  (the T×T Gram trick)
 
 computed from the Grams when T² ≤ d_in·d_out, else from AᵀG_out directly (Li
-et al., §4). A bias is the use with a_t = 1; an embedding lookup has
+et al., §4). Either way the norm each example is clipped by is an upper bound
+that float32 rounding cannot push below the norm of the vector summed
+(:func:`factor_sq_norm`): the Gram's N² terms can cancel, and an example built
+to make them cancel must not be clipped too little. A bias is the use with
+a_t = 1; an embedding lookup has
 a_t = onehot(x_t), so a_t·a_s = [x_t = x_s]; the tied head ``h · Eᵀ``
 contributes Zᵀ H to the table E (Z: the logit gradients). A parameter with
 several uses has G = Σ_u G_u and ‖G‖² = Σ_{u,v} ⟨G_u, G_v⟩, each a sum of
