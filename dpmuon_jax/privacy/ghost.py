@@ -21,9 +21,9 @@ et al., §4). Either way the norm each example is clipped by is an upper bound
 that float32 rounding cannot push below the norm of the vector summed
 (:func:`factor_sq_norm`): the Gram's N² terms can cancel, and an example built
 to make them cancel must not be clipped too little. A bias is the use with
-a_t = 1; an embedding lookup has
-a_t = onehot(x_t), so a_t·a_s = [x_t = x_s]; the tied head ``h · Eᵀ``
-contributes Zᵀ H to the table E (Z: the logit gradients). A parameter with
+a_t = 1; an embedding lookup has a_t = onehot(x_t), so a_t·a_s = [x_t = x_s];
+the tied head ``h · Eᵀ`` contributes Zᵀ H to the table E (Z: the logit
+gradients). A parameter with
 several uses has G = Σ_u G_u and ‖G‖² = Σ_{u,v} ⟨G_u, G_v⟩, each a sum of
 products of cross Grams (for the tied embedding, ⟨onehot(x)ᵀE_out, ZᵀH⟩ =
 Σ_{t,s} Z[s, x_t] (e_t·h_s)). Every parameter no tap reports (norm scales and
