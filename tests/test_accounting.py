@@ -12,11 +12,11 @@ from dp_accounting.rdp import rdp_privacy_accountant
 import dpmuon_jax as dm
 from dpmuon_jax.privacy import accounting as acc
 from dpmuon_jax.privacy.accounting import (
-  CALIBRATION_RTOL,
-  RDP_ORDERS,
-  PrivacyLedger,
-  calibrate_noise_multiplier,
-  compute_epsilon,
+    CALIBRATION_RTOL,
+    RDP_ORDERS,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    compute_epsilon,
 )
 from dpmuon_jax.privacy.sampling import PoissonSampler
 

@@ -479,8 +479,7 @@ def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
           "statistics and clipping rule): "
           "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
           "disjoint examples with a.add_disjoint(b).")
-    if clipped.grid_bits is not None:
-      _refuse_grid_overflow(float(clipped.stats.num_examples), clipped.clipping)
+    _refuse_grid_overflow(float(clipped.stats.num_examples), clipped.clipping)
     if not concrete[1]:
       raise ValueError(
           f"The ClippedSum's norm {float(norm):.6g} exceeds num_examples x bound = "
