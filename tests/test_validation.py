@@ -2,13 +2,14 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from dpmuon_jax import checks
+from dpmuon_jax import checks, dp_release, privatize
 from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.optimizers.classic import dp_adam, dp_adamw, dp_sgd
 from dpmuon_jax.optimizers.filters import (
@@ -17,7 +18,7 @@ from dpmuon_jax.optimizers.filters import (
     dp_doppler_muon,
     dp_doppler_sgd,
 )
-from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s, fallback_optimizer
+from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s, fallback_optimizer, muon
 from dpmuon_jax.optimizers.options import Fallback, NewtonSchulz
 from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_muon_bc, dp_muon_im
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS
@@ -158,6 +159,42 @@ def test_traced_values_pass_unchecked():
     return beta
 
   build(jnp.float32(2.0), jnp.float32(-1.0))
+
+
+# ------------------------------------------------------------ optax.inject_hyperparams
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("setting", ["l2_clip_norm", "noise_multiplier", "denominator"])
+def test_every_optimizer_refuses_a_release_setting_held_as_an_array(name, setting):
+  """C, σ or D in an optimizer state (as inject_hyperparams keeps them) could change unaccounted."""
+  release = {**RELEASE, setting: jnp.float32(RELEASE[setting])}
+  with pytest.raises(TypeError, match=f"{setting} must be a Python number.*inject"):
+    optimizer_registry.build(name, 0.1, release)
+
+
+@pytest.mark.parametrize("make", [dp_sgd, dp_muon], ids=["dp_sgd", "dp_muon"])
+def test_injecting_a_dp_optimizer_names_the_supported_pattern(make):
+  injected = optax.inject_hyperparams(make)(0.02, 1.0, 1.0, 8.0, key=0)
+  with pytest.raises(TypeError, match=r"inject the post-processing only"):
+    injected.init({"w": jnp.zeros((4, 2))})
+
+
+def test_an_injected_learning_rate_scales_the_private_update():
+  """The supported pattern: the release outside, inject_hyperparams on the post-processing."""
+  params = {"w": jnp.ones((4, 2))}
+  per_example = {"w": jax.random.normal(jax.random.key(1), (8, 4, 2))}
+  optimizer = privatize(dp_release(1.0, 1.0, 8.0, key=0),
+                        optax.inject_hyperparams(muon)(learning_rate=0.02))
+  state = optimizer.init(params)
+  update = jax.jit(optimizer.update)
+  first, _ = update(per_example, state, params)
+  release_state, injected = state
+  learning_rate = injected.hyperparams["learning_rate"]
+  doubled = injected._replace(hyperparams={**injected.hyperparams,
+                                           "learning_rate": 2 * learning_rate})
+  second, _ = update(per_example, (release_state, doubled), params)
+  chex.assert_trees_all_close(second, jax.tree.map(lambda u: 2 * u, first), rtol=1e-6)
 
 
 def test_check_messages_name_option_value_and_range():

@@ -33,6 +33,7 @@ from dpmuon_jax.privacy.release import (
     ADD_REMOVE,
     Neighbouring,
     PrivateTransformation,
+    check_public_constants,
     dp_release,
     privatize,
 )
@@ -62,6 +63,11 @@ class ReleaseSettings:
   key: KeyLike = None
   clipping: Clipping | None = None
   neighbouring: Neighbouring = ADD_REMOVE
+
+  def __post_init__(self):
+    # Before any post-processing factory runs, so optax.inject_hyperparams on a dp_* name
+    # meets this refusal first.
+    check_public_constants(self.l2_clip_norm, self.noise_multiplier, self.denominator)
 
   def build(self) -> PrivateTransformation:
     """The release with these settings (checked there), see :func:`dpmuon_jax.dp_release`."""

@@ -247,7 +247,30 @@ def _secure_release(total: PyTree, params: PyTree, spec: GaussianReleaseSpec) ->
   return jax.tree.map(lambda x, p: x.astype(jnp.result_type(p)), released, params)
 
 
+def check_public_constants(l2_clip_norm: Any, noise_multiplier: Any, denominator: Any) -> None:
+  """Refuses C, σ or D given as a JAX array, e.g. a hyperparameter of ``optax.inject_hyperparams``.
+
+  They are public constants fixed before training, and the accountant reads
+  them from the release; held in an optimizer state they could change between
+  releases without being accounted. A learning rate or another post-processing
+  option can be injected: ``privatize(dp_release(C, σ, D),
+  optax.inject_hyperparams(muon)(learning_rate=0.02))``.
+  """
+  given = {"l2_clip_norm": l2_clip_norm, "noise_multiplier": noise_multiplier,
+           "denominator": denominator}
+  for name, value in given.items():
+    if isinstance(value, jax.Array):
+      raise TypeError(
+          f"{name} must be a Python number, got a JAX array: the release's l2_clip_norm, "
+          "noise_multiplier and denominator are public constants fixed before training, "
+          "which the accountant reads. To inject a hyperparameter (optax.inject_hyperparams), "
+          "inject the post-processing only: dm.privatize(dm.dp_release(C, sigma, D), "
+          "optax.inject_hyperparams(dm.muon)(learning_rate=0.02))."
+      )
+
+
 def _validate(l2_clip_norm: float, noise_multiplier: float, denominator: float) -> None:
+  check_public_constants(l2_clip_norm, noise_multiplier, denominator)
   if not (math.isfinite(l2_clip_norm) and l2_clip_norm > 0):
     raise ValueError(f"l2_clip_norm must be positive and finite, got {l2_clip_norm}.")
   if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
