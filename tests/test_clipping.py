@@ -3,6 +3,7 @@
 The privacy invariants are numbered in docs/design.md.
 """
 
+import json
 import math
 
 import chex
@@ -12,7 +13,14 @@ import numpy as np
 import pytest
 
 import dpmuon_jax as dm
-from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name, flat_norm
+from dpmuon_jax.privacy.clipping import (
+    CLIPPING_STYLES,
+    automatic_clipping,
+    clipping_by_name,
+    flat_clipping,
+    flat_norm,
+    per_layer_clipping,
+)
 
 C = 1.5
 ROUNDING = 1 + 1e-6  # float32 rounding of g · C/‖g‖
@@ -144,3 +152,20 @@ def test_clipping_by_name_bounds_every_example_by_c(style):
 def test_clipping_by_name_refuses_unknown_style():
   with pytest.raises(ValueError, match="clipping must be one of"):
     clipping_by_name("per_example", 1.0)
+
+
+def test_numpy_scalars_become_python_floats_and_a_mismatch_is_refused_when_built():
+  clipping = automatic_clipping(np.float32(0.5), gamma=np.float64(0.01))
+  assert type(clipping.l2_clip_norm) is float and type(clipping.gamma) is float
+  json.dumps(clipping.describe())  # recorded in results and exports
+  with pytest.raises(ValueError, match="differs from l2_clip_norm"):
+    dm.dp_sgd(0.1, np.float32(0.1), 1.0, 8.0, key=0, clipping=flat_clipping(0.1))
+
+
+@pytest.mark.parametrize("weights", [{"w": 1.0, "x": 2.0}, [1.0, 2.0], {"w": 1.0}],
+                         ids=["other keys", "list", "subset"])
+def test_per_layer_weights_of_another_structure_are_refused_in_one_line(weights):
+  per_example = {"w": jnp.ones((3, 4, 2)), "b": jnp.ones((3, 2))}
+  with pytest.raises(ValueError, match="the query's tree structure") as info:
+    dm.clip_and_sum(per_example, None, per_layer_clipping(1.0, weights))
+  assert "\n" not in str(info.value)

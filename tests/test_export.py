@@ -158,3 +158,12 @@ def test_export_model_refuses_key_leaves_but_allows_named_flags(tmp_path):
   params = {"attn": {"key": {"kernel": np.ones((2, 2), np.float32)}}}
   export_model(str(tmp_path / "ok"), params, {"epsilon": 1.0, "seeded": True})
   assert load_exported(str(tmp_path / "ok")).certificate["seeded"] is True
+
+
+def test_an_export_into_the_runs_folder_or_above_it_is_refused(run):
+  out, _, _, _ = run
+  for folder in (out, os.path.dirname(out), os.path.join(out, ".")):
+    with pytest.raises(ValueError, match="checkpoints and release journal are secret"):
+      export_run(out, folder)
+  assert not os.path.exists(os.path.join(out, PARAMS_FILE))
+  assert main(["export", out, "--out", out]) == 1

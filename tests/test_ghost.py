@@ -157,7 +157,8 @@ def test_gpt2_ghost_matches_vmap_with_the_tied_embedding(gpt2):
     np.testing.assert_allclose(g, w, rtol=1e-2)
 
 
-def test_cnn_patch_conv_ghost_matches_vmap_microbatched_with_group_norm():
+@pytest.mark.parametrize("microbatch", [3, 4], ids=["dividing", "padded"])
+def test_cnn_patch_conv_ghost_matches_vmap_microbatched_with_group_norm(microbatch):
   model = tapped_model(SmallCNN(4, 2, image_shape=(8, 8), groups=4, rngs=nnx.Rngs(0)))
   loss_fn = classification_loss(model.apply)
   batch = {"image": jax.random.normal(jax.random.key(4), (6, 8, 8, 2)),
@@ -168,8 +169,8 @@ def test_cnn_patch_conv_ghost_matches_vmap_microbatched_with_group_norm():
   norms = _vmap_norms(loss_fn, model.params, batch)
   clip = float(jnp.median(norms))
   want = _vmap_sum(loss_fn, model.params, batch, mask, clip)
-  got = jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clip, microbatch_size=3)
-                )(model.params)
+  got = jax.jit(lambda p: ghost_clipped_sum(loss_fn, p, batch, mask, clip, microbatch)
+                )(model.params)  # 4 rows: 2 masked-out padding rows in the second microbatch
   assert 0 < float(got.stats.num_clipped) < 5
   _assert_trees_close(got.total, want.total, rtol=1e-2)  # the norms bound from above
   for g, w in zip(got.stats, want.stats, strict=True):  # the norms of the real rows

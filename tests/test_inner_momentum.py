@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from problems import history_after, quadratic_loss, random_tree, regression, release_noise_rms
 from stats import std_interval
@@ -17,7 +18,8 @@ from dpmuon_jax.privacy.inner_momentum import (
     InnerMomentumInputs,
     inner_momentum_weights,
 )
-from dpmuon_jax.privacy.query import clipped_sum
+from dpmuon_jax.privacy.query import GRADIENT_QUERY, clipped_sum
+from dpmuon_jax.privacy.release import privatize
 from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms.history import find_history, param_history
 
@@ -143,6 +145,24 @@ def test_history_k1_changes_the_trajectory():
       p, s, _ = step(p, s, [(batch, mask)])
     out.append(p)
   assert not np.allclose(out[0]["dense"]["kernel"], out[1]["dense"]["kernel"])
+
+
+def test_post_processing_chained_after_dp_muon_im_keeps_its_query():
+  params, batch, loss = regression(n=16, d_in=8, d_out=6)
+  mask = jnp.ones(16, bool)
+  im = dp_muon_im(0.05, 1.0, 0.5, 16.0, key=9, history=1)
+  chained = privatize(dp_muon_im(0.05, 1.0, 0.5, 16.0, key=9, history=1), optax.identity())
+  assert chained.query is not GRADIENT_QUERY
+  out = []
+  for opt in (im, chained):
+    step, p = make_private_step(opt, loss), params
+    s = opt.init(p)
+    for _ in range(3):
+      p, s, _ = step(p, s, [(batch, mask)])
+    out.append(p)
+  chex.assert_trees_all_close(out[0], out[1], rtol=1e-6)
+  with pytest.raises(ValueError, match="already privatises a query of its own"):
+    privatize(im, optax.identity(), query=GRADIENT_QUERY)
 
 
 def test_presets_and_validation():

@@ -56,7 +56,7 @@ def _assert_sums_close(a, b):
 
 @pytest.mark.parametrize(
     ("setup", "microbatches"),
-    [(_cnn_setup, (2, 8)), (_toy_setup, (1, 4, 8, B))],
+    [(_cnn_setup, (2, 8, 3)), (_toy_setup, (1, 4, 8, B, 3, 5, 6, 7))],  # 3, 5-7: padded
     ids=["cnn", "toy"],
 )
 def test_chunked_equals_unchunked(setup, microbatches):
@@ -72,6 +72,7 @@ def test_chunked_equals_unchunked(setup, microbatches):
       lambda x: x.at[5].multiply(-7) if x.dtype == jnp.float32 else x.at[5].set(3 - x[5]), batch
   )
   _assert_sums_close(fn(query, params, poisoned, MASK, CLIP, 4), full)
+  _assert_sums_close(fn(query, params, poisoned, MASK, CLIP, 5), full)
 
 
 def test_chunked_equals_unchunked_per_layer_clipping():
@@ -95,17 +96,19 @@ def test_chunked_equals_unmasked_reference():
   chex.assert_trees_all_close(got.total, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("microbatch", [3, 5, 0, -4])
+@pytest.mark.parametrize("microbatch", [0, -4, True])
 def test_bad_microbatch_size_raises(microbatch):
   params, query, batch = _toy_setup()
   with pytest.raises(ValueError, match="microbatch_size"):
     clipped_sum(query, params, batch, MASK, CLIP, microbatch_size=microbatch)
 
 
-def test_microbatch_not_dividing_batch_names_the_fix():
+@pytest.mark.parametrize("mask", [jnp.where(MASK, 1.0, 0.0), jnp.full(B, 0.5)], ids=["0/1", "half"])
+def test_a_float_mask_is_refused(mask):
+  """A float mask reads like per-example weights, which a clipped sum does not apply."""
   params, query, batch = _toy_setup()
-  with pytest.raises(ValueError, match="must divide the padded batch size 16"):
-    clipped_sum(query, params, batch, MASK, CLIP, microbatch_size=6)
+  with pytest.raises(ValueError, match="mask must be boolean"):
+    clipped_sum(query, params, batch, mask, CLIP)
 
 
 def test_private_step_traces_once_across_sampled_counts():

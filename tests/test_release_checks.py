@@ -7,6 +7,7 @@ accepts a hand-made ``ClippedSum``, or lets a step builder swap the clipping rul
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import dpmuon_jax as dm
@@ -144,3 +145,34 @@ def test_make_private_passes_its_clipping_to_the_optimizer():
   opt = dm.dp_sgd(0.1, **setup.release_kwargs)
   assert opt.release.clipping.per_layer
   assert setup.release.release.clipping.per_layer
+
+
+@pytest.mark.parametrize("wrap", ["masked", "partition"])
+def test_a_release_inside_optax_masked_or_partition_is_refused(wrap):
+  """Either wrapper would pass the leaves the release does not see their raw per-example rows."""
+  params = _square_dense(4)
+  release = dm.dp_sgd(0.1, l2_clip_norm=C, noise_multiplier=1.0, denominator=10.0, key=0)
+  if wrap == "masked":
+    opt = optax.masked(release, {"kernel": True, "bias": False})
+  else:
+    opt = optax.partition({"private": release, "frozen": optax.set_to_zero()},
+                          {"kernel": "private", "bias": "frozen"})
+  with pytest.raises(ValueError, match="inside optax.masked or optax.partition"):
+    opt.init(params)
+  # The supported order: the release sees the whole tree, the mask acts after it.
+  opt = dm.privatize(dm.dp_release(C, 1.0, 10.0, key=0),
+                     optax.masked(optax.sgd(0.1), {"kernel": True, "bias": False}))
+  per_example = jax.tree.map(lambda p: jnp.ones((3,) + p.shape), params)
+  updates, _ = opt.update(per_example, opt.init(params), params)
+  assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
+
+
+@pytest.mark.parametrize("chunks", ["pair", "empty", "batch"])
+def test_a_private_step_names_the_chunks_it_takes(chunks):
+  params = _square_dense(4)
+  opt = dm.dp_sgd(0.1, l2_clip_norm=C, noise_multiplier=1.0, denominator=10.0, key=0)
+  step = make_private_step(opt, lambda p, b: jnp.sum(b["x"] @ p["kernel"] + p["bias"]))
+  batch, mask = {"x": jnp.ones((3, 4))}, jnp.ones(3, bool)
+  given = {"pair": (batch, mask), "empty": [], "batch": batch}[chunks]
+  with pytest.raises(TypeError, match=r"a non-empty list of \(batch, mask\) chunks"):
+    step(params, opt.init(params), given)

@@ -21,6 +21,8 @@ PARAMS = {
         "mlp": {"fc1": {"kernel": jnp.ones((8, 16)), "bias": jnp.zeros(16)}},
     },
     "head": {"kernel": jnp.ones((8, 10)), "bias": jnp.zeros(10)},
+    # Flax multi-head attention: kernels (d, heads, head_dim), biases (heads, head_dim).
+    "attn": {"query": {"kernel": jnp.ones((8, 2, 4)), "bias": jnp.zeros((2, 4))}},
 }
 
 def _normal(shape, seed):
@@ -28,11 +30,11 @@ def _normal(shape, seed):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
-ALWAYS_FALLBACK = [  # rank-1 leaves: biases and norm scales
+ALWAYS_FALLBACK = [  # biases and norm scales, whatever their rank
     ("patch_embed", "bias"), ("block0", "norm1", "scale"), ("block0", "norm1", "bias"),
-    ("block0", "mlp", "fc1", "bias"), ("head", "bias"),
+    ("block0", "mlp", "fc1", "bias"), ("head", "bias"), ("attn", "query", "bias"),
 ]
-HIDDEN = [("conv1", "kernel"), ("block0", "mlp", "fc1", "kernel")]
+HIDDEN = [("conv1", "kernel"), ("block0", "mlp", "fc1", "kernel"), ("attn", "query", "kernel")]
 EMBED_AND_HEAD = [("patch_embed", "kernel"), ("pos_embed",), ("head", "kernel")]
 
 

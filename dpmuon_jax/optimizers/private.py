@@ -28,7 +28,7 @@ import optax
 
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.keys import KeyLike
-from dpmuon_jax.privacy.query import GRADIENT_QUERY, QuerySpec
+from dpmuon_jax.privacy.query import QuerySpec
 from dpmuon_jax.privacy.release import (
     ADD_REMOVE,
     Neighbouring,
@@ -80,7 +80,7 @@ class ReleaseSettings:
 def private(
     release: ReleaseSettings | PrivateTransformation,
     *post_processing: optax.GradientTransformation,
-    query: QuerySpec = GRADIENT_QUERY,
+    query: QuerySpec | None = None,
 ) -> PrivateTransformation:
   """``optax.chain(release, *post_processing)``, labelled with the release and its query.
 
@@ -89,9 +89,9 @@ def private(
       them (for post-processing that reads it, e.g. the noise std σC/D of
       the bias-corrected optimizers).
     *post_processing: Optax transformations applied to G̃_t in order.
-    query: the per-example query the release privatises (default the
-      gradient; DiSK and inner momentum change it, their inputs read from the
-      post-processing state).
+    query: the per-example query the release privatises (default: the
+      release's, the gradient for settings; DiSK and inner momentum change
+      it, their inputs read from the post-processing state).
 
   Returns:
     A :class:`~dpmuon_jax.privacy.release.PrivateTransformation`.

@@ -88,6 +88,9 @@ class Clipping:
   grid_bits: int | None = None
 
   def __post_init__(self):
+    # Python floats: NumPy/JAX scalars would compare and serialise (describe()) differently.
+    for name in ("l2_clip_norm", "gamma"):
+      object.__setattr__(self, name, float(getattr(self, name)))
     if not (math.isfinite(self.l2_clip_norm) and self.l2_clip_norm > 0):
       raise ValueError(f"l2_clip_norm must be a positive finite number, got {self.l2_clip_norm}.")
     if self.automatic and not (math.isfinite(self.gamma) and self.gamma > 0):
@@ -157,6 +160,12 @@ class Clipping:
     if self.layer_weights is None:
       n = len(jax.tree.leaves(tree))
       return jax.tree.map(lambda _: self.l2_clip_norm / math.sqrt(n), tree)
+    if jax.tree.structure(self.layer_weights) != jax.tree.structure(tree):
+      raise ValueError(
+          f"per-layer clipping weights must have the query's tree structure (one weight per "
+          f"parameter leaf, {len(jax.tree.leaves(tree))} leaves), got "
+          f"{jax.tree.structure(self.layer_weights)}."
+      )
     weights = jax.tree.leaves(self.layer_weights)
     total = math.sqrt(sum(float(w) ** 2 for w in weights))
     return jax.tree.map(lambda w: self.l2_clip_norm * float(w) / total, self.layer_weights)

@@ -67,6 +67,7 @@ from dpmuon_jax.privacy.query import (
     _sum_over_chunks,
     add_batch_axis,
     clipped_sum_from_norms,
+    pad_to_multiple,
     stack_terms,
 )
 
@@ -609,12 +610,10 @@ def _chunked(chunk: Callable[[PyTree, jax.Array | None], ClippedSum], like: PyTr
     raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}.")
   if microbatch_size is None or microbatch_size >= batch_size:
     return chunk(batch, mask)
-  if batch_size % microbatch_size:
-    raise ValueError(f"microbatch_size={microbatch_size} must divide the padded batch size "
-                     f"{batch_size}.")
   if mask is None:
     mask = jnp.ones((batch_size,), jnp.bool_)
-  n = batch_size // microbatch_size
+  batch, mask = pad_to_multiple(batch, mask, microbatch_size)
+  n = mask.shape[0] // microbatch_size
   chunked = jax.tree.map(lambda x: x.reshape((n, microbatch_size) + x.shape[1:]), (batch, mask))
   return _sum_over_chunks(lambda c: chunk(*c), chunked, like, as_clipping(clipping))
 

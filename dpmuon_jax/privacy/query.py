@@ -519,7 +519,27 @@ def _default_mask(batch_size: int, mask: jax.Array | None) -> jax.Array:
   mask = jnp.asarray(mask)
   if mask.shape != (batch_size,):
     raise ValueError(f"mask must have shape ({batch_size},), got {mask.shape}.")
+  if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+    raise ValueError(
+        f"mask must be boolean (True for a real example, False for padding), got dtype "
+        f"{mask.dtype}: a clipped sum counts every real example once, it does not weight them."
+    )
   return mask.astype(jnp.bool_)
+
+
+def pad_to_multiple(batch: PyTree, mask: jax.Array, multiple: int) -> tuple[PyTree, jax.Array]:
+  """``batch`` and ``mask`` with padding rows appended up to a multiple of ``multiple`` rows.
+
+  The padding rows repeat the last row (real data shapes and values, so a
+  query evaluates to something finite on them) and are masked out, so they
+  add nothing to a clipped sum: padding changes the cost, never the sum.
+  """
+  extra = -mask.shape[0] % multiple
+  if not extra:
+    return batch, mask
+  padded = jax.tree.map(
+      lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)]), batch)
+  return padded, jnp.concatenate([mask, jnp.zeros((extra,), jnp.bool_)])
 
 
 def clip_and_sum(
@@ -609,7 +629,8 @@ def clipped_sum(
     mask: boolean ``(B,)``; False rows contribute nothing. ``None``: all real.
     clipping: a :class:`Clipping` or a bare C (flat clipping).
     microbatch_size: evaluate ``vmap(query)`` on this many examples at a time
-      and accumulate, so memory is flat in B. Must divide B. ``None``: all at once.
+      and accumulate, so memory is flat in B. A batch it does not divide gets
+      masked-out padding rows (:func:`pad_to_multiple`). ``None``: all at once.
   """
   batch_size = _batch_size(batch)
   mask = _default_mask(batch_size, mask)
@@ -622,12 +643,8 @@ def clipped_sum(
   if microbatch_size is None or microbatch_size >= batch_size:
     return clip_and_sum(per_example(query_inputs, batch), mask, clipping)
 
-  if batch_size % microbatch_size:
-    raise ValueError(
-        f"microbatch_size={microbatch_size} must divide the padded batch size {batch_size}; "
-        "choose a capacity that is a multiple of it."
-    )
-  num_chunks = batch_size // microbatch_size
+  batch, mask = pad_to_multiple(batch, mask, microbatch_size)
+  num_chunks = mask.shape[0] // microbatch_size
   chunked = jax.tree.map(
       lambda x: x.reshape((num_chunks, microbatch_size) + x.shape[1:]), (batch, mask)
   )

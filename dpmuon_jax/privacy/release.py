@@ -380,7 +380,7 @@ def dp_release(
   key_uses = NoiseKeyUses()
 
   def init_fn(params):
-    del params
+    _refuse_masked_params(params)
     return GaussianReleaseState(jnp.zeros((), jnp.int32), noise_key)
 
   def update_fn(updates, state, params=None, *, mask=None, **extra_args):
@@ -412,6 +412,7 @@ def _release_spec(
 ) -> tuple[GaussianReleaseSpec, jax.Array]:
   """Checks the settings of :func:`dp_release`; returns its spec and noise stream."""
   _validate(l2_clip_norm, noise_multiplier, denominator)
+  l2_clip_norm = float(l2_clip_norm)  # compared with the clipping rule's float below
   if neighbouring not in (ADD_REMOVE, REPLACE_ONE):
     raise ValueError(f"neighbouring must be {ADD_REMOVE!r} or {REPLACE_ONE!r}.")
   clipping = as_clipping(l2_clip_norm if clipping is None else clipping)
@@ -429,6 +430,28 @@ def _release_spec(
   return spec, noise_key
 
 
+def _is_masked_node(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _refuse_masked_params(params: PyTree) -> None:
+  """Refuses a release inside ``optax.masked`` or ``optax.partition``.
+
+  Those wrappers hand the release only some leaves (the others become
+  ``optax.MaskedNode``) and pass the other leaves' per-example gradients on
+  as updates, neither clipped nor noised; two releases on two parts of the
+  tree would also be two mechanisms, which the ledger counts as one.
+  """
+  if any(_is_masked_node(x) for x in jax.tree.leaves(params, is_leaf=_is_masked_node)):
+    raise ValueError(
+        "The release is inside optax.masked or optax.partition (it sees optax.MaskedNode "
+        "parameters): the leaves it does not see would be updated with their raw per-example "
+        "gradients. Release the whole tree, then route the post-processing, e.g. "
+        "dm.privatize(dm.dp_release(C, sigma, D), optax.partition(transforms, labels)); to "
+        "freeze parameters, keep them out of the tree you differentiate."
+    )
+
+
 def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> ClippedSum:
   """The clipped sum of the release's input, after checking its shapes, rule, seal and bound."""
   if params is None:
@@ -436,6 +459,7 @@ def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> Cl
         "dp_release needs params (opt.update(per_example_grads, state, params)) to check "
         "that its input has the parameters' shapes."
     )
+  _refuse_masked_params(params)
   if not isinstance(updates, ClippedSum):
     check_per_example_shapes(updates, params)
     _refuse_grid_overflow(jax.tree.leaves(updates)[0].shape[0], spec.clipping)
@@ -541,7 +565,7 @@ def optimizer_clipping(
 def privatize(
     release: PrivateTransformation,
     *post_processing: optax.GradientTransformation,
-    query: QuerySpec = GRADIENT_QUERY,
+    query: QuerySpec | None = None,
 ) -> PrivateTransformation:
   """``optax.chain(release, *post_processing)``, still labelled with the release.
 
@@ -549,9 +573,20 @@ def privatize(
   release over the whole parameter tree, then post-processing only.
   ``query`` names the per-example query the release is fed with (DiSK and
   inner momentum change it; their inputs come from the post-processing state).
+  ``None`` keeps the query ``release`` already has: the gradient for
+  :func:`dp_release`, a ``dp_*`` optimizer's own (e.g. inner momentum's) when
+  more post-processing is chained after it. A different query for a ``dp_*``
+  optimizer whose query is not the gradient is refused.
   """
   if not isinstance(release, PrivateTransformation):
     raise TypeError("privatize needs the transformation returned by dp_release first.")
+  if query is None:
+    query = release.query
+  elif query is not release.query and release.query is not GRADIENT_QUERY:
+    raise ValueError(
+        "privatize was given a query for an optimizer that already privatises a query of its "
+        "own (e.g. DiSK's or inner momentum's); leave query=None to keep it."
+    )
   return PrivateTransformation.wrap(
       optax.chain(release, *post_processing), release.release, query
   )

@@ -324,4 +324,16 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
       releases_after_checkpoint=releases_after(records, metadata.get("key_index", ledger.count)),
   )
   out_dir = os.path.join(run_dir, "export") if out_dir is None else out_dir
+  _refuse_folder_holding_secrets(out_dir, run_dir)
   return export_model(out_dir, checkpoint.params, certificate)
+
+
+def _refuse_folder_holding_secrets(out_dir: str, run_dir: str) -> None:
+  """An export is published as a folder; the run's folder or one above it holds the secrets."""
+  out, run = os.path.realpath(out_dir), os.path.realpath(run_dir)
+  if os.path.commonpath([out, run]) == out:
+    raise ValueError(
+        f"Refusing to export to {out_dir}: it holds the run {run_dir}, whose checkpoints and "
+        "release journal are secret, so publishing it would publish them. Export to a folder "
+        "of its own (default RUN_DIR/export)."
+    )

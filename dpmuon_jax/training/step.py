@@ -71,7 +71,7 @@ class PrivateStep(NamedTuple):
       self, params: PyTree, opt_state: optax.OptState, chunks: Sequence[tuple[PyTree, jax.Array]]
   ) -> tuple[StepOutput, jax.Array]:
     """:meth:`__call__` and the seal of the clipped sum it released (SECRET)."""
-    (batch, mask), *extra = chunks
+    (batch, mask), *extra = _checked_chunks(chunks)
     overflow = self.empty_overflow(params)
     for extra_batch, extra_mask in extra:
       overflow = overflow.add_disjoint(self.clipped_sum(params, opt_state, extra_batch, extra_mask))
@@ -82,6 +82,17 @@ class PrivateStep(NamedTuple):
   ) -> StepOutput:
     """Runs one release over all ``(batch, mask)`` chunks of a Poisson sample."""
     return self.released(params, opt_state, chunks)[0]
+
+
+def _checked_chunks(chunks: Any) -> Sequence[tuple[PyTree, jax.Array]]:
+  """``chunks`` if it is a non-empty list of ``(batch, mask)`` pairs, else a one-line error."""
+  if not (isinstance(chunks, (list, tuple)) and chunks
+          and all(isinstance(c, (list, tuple)) and len(c) == 2 for c in chunks)):
+    raise TypeError(
+        "A private step takes a non-empty list of (batch, mask) chunks, e.g. [(batch, mask)], "
+        "or [(dm.gather(data, b), b.mask) for b in sampler.sample(t)] for a Poisson sample."
+    )
+  return chunks
 
 
 def _query_and_inputs(optimizer: PrivateTransformation, loss_fn, query):

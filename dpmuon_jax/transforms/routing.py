@@ -4,13 +4,14 @@ Presets, on the path convention of :mod:`dpmuon_jax.models.common` (the head
 is the submodule ``head``; embeddings have ``embed`` in their name; norms
 ``norm``; leaves are ``kernel`` / ``bias`` / ``scale``):
 
-* ``"paper1"``: every leaf of rank ≥ 2 on Muon, head and embeddings included,
-  as paper 1 ran it; rank < 2 leaves (biases, norm scales) on the fallback,
-  DP-SGD's momentum step.
-* ``"muon"``: the usual Muon practice: rank ≥ 2 leaves on Muon except
+* ``"paper1"``: every weight matrix (a leaf of rank ≥ 2 not named ``bias`` or
+  ``scale``) on Muon, head and embeddings included, as paper 1 ran it; biases
+  and norm scales on the fallback, DP-SGD's momentum step, whatever their rank
+  (Flax's multi-head attention stores its biases as (heads, head_dim)).
+* ``"muon"``: the usual Muon practice: weight matrices on Muon except
   embeddings (a path entry containing ``embed``) and the output head (a path
-  entry equal to ``head``), which join the rank < 2 leaves on the fallback
-  (DP-SGD's momentum step).
+  entry equal to ``head``), which join the biases and norm scales on the
+  fallback (DP-SGD's momentum step).
 * ``"paper2"``: the same split as ``"muon"``, with AdamW as the fallback and
   each group its own settings.
 
@@ -51,13 +52,17 @@ def is_head(path: Path) -> bool:
   return any(name.lower() == "head" for name in path)
 
 
+def is_weight_matrix(path: Path, leaf: jax.Array) -> bool:
+  """Rank ≥ 2 and not a bias or a norm scale (the last path entry ``bias`` / ``scale``)."""
+  return jnp.ndim(leaf) >= 2 and not (path and path[-1].lower() in ("bias", "scale"))
+
+
 def _paper1(path: Path, leaf: jax.Array) -> bool:
-  del path
-  return jnp.ndim(leaf) >= 2
+  return is_weight_matrix(path, leaf)
 
 
 def _muon(path: Path, leaf: jax.Array) -> bool:
-  return jnp.ndim(leaf) >= 2 and not (is_embedding(path) or is_head(path))
+  return is_weight_matrix(path, leaf) and not (is_embedding(path) or is_head(path))
 
 
 _PRESET_FNS: dict[str, RouteFn] = {"paper1": _paper1, "muon": _muon, "paper2": _muon}
