@@ -87,6 +87,15 @@ def test_no_claimed_stream_is_a_key_of_another_streams_releases():
   assert not used & {s.tobytes() for s in streams}
 
 
+@pytest.mark.parametrize("seed", [2**32 + 5, -5, 2**70])
+def test_a_seed_jax_would_fold_onto_another_is_refused(seed):
+  """Without x64, JAX keeps a seed's low 32 bits: 2**32 + 5 would be seed 5's noise stream."""
+  assert jax.random.key_data(jax.random.key(5)).tolist() == [0, 5]
+  with pytest.raises(ValueError, match=r"A seed must be an int in \[0, 2\*\*32\)"):
+    root_key(seed)
+  assert root_key(2**32 - 1).seeded
+
+
 def test_named_seeds_differ_per_name_and_are_reproducible():
   assert named_seed(0, "dp_sgd") == named_seed(0, "dp_sgd")
   assert len({named_seed(0, "dp_sgd"), named_seed(0, "dp_adam"), named_seed(1, "dp_sgd")}) == 3

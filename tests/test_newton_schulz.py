@@ -125,6 +125,11 @@ def test_zero_matrix_maps_to_zero():
   assert not np.any(np.asarray(newton_schulz(jnp.zeros((4, 6)))))
 
 
+def test_an_integer_matrix_is_refused_not_rounded_to_zeros():
+  with pytest.raises(TypeError, match="floating-point"):
+    newton_schulz(jnp.arange(6).reshape(2, 3))
+
+
 def test_coefficient_schedule_rows():
   rows, safety = coefficient_schedule(DEFAULT_NS_COEFFS, 3)
   assert rows == (DEFAULT_NS_COEFFS,) * 3 and safety == 1.0

@@ -67,6 +67,12 @@ def test_per_example_leaves_must_agree_on_b():
     release.update(bad, release.init(params), params)
 
 
+def test_an_empty_parameter_tree_is_refused_in_one_line():
+  release = dm.dp_release(C, 1.0, 4.0, key=0)
+  with pytest.raises(ValueError, match="without leaves"):
+    release.update({}, release.init({}), {})
+
+
 def test_the_release_needs_params():
   params = {"w": jnp.zeros(3)}
   release = dm.dp_release(C, 0.0, 1.0, key=0)

@@ -151,9 +151,10 @@ def test_dpmuon_train_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path, cap
                    "--output-dir", str(tmp_path / "run")])
   err = capsys.readouterr().err.strip()
   assert code == 2
+  n = jax.device_count()
+  fits = f"{n} devices (e.g. {n}x1 or 1x{n})" if n > 1 else "1 device (only 1x1)"
   assert err == (f"dpmuon train: error: --mesh: The mesh 2x4 needs positive axis sizes whose "
-                 f"product is the {jax.device_count()} devices (e.g. {jax.device_count()}x1 or "
-                 f"1x{jax.device_count()}).")
+                 f"product is the {fits}.")
 
 
 def test_train_lm_refuses_a_malformed_mesh_before_loading_anything(tmp_path):

@@ -60,9 +60,11 @@ def model_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> M
   """
   devices = list(jax.devices() if devices is None else devices)
   if data < 1 or model < 1 or data * model != len(devices):
+    n = len(devices)
+    shapes = f"e.g. {n}x1 or 1x{n}" if n > 1 else "only 1x1"
     raise ValueError(
         f"The mesh {data}x{model} needs positive axis sizes whose product is the "
-        f"{len(devices)} devices (e.g. {len(devices)}x1 or 1x{len(devices)})."
+        f"{n} device{'s' if n > 1 else ''} ({shapes})."
     )
   return Mesh(np.array(devices).reshape(data, model), (DATA_AXIS, MODEL_AXIS))
 

@@ -136,6 +136,9 @@ def newton_schulz(
   x = jnp.asarray(x)
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs an array of rank >= 2, got shape {x.shape}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    # NS_K(x) has entries in (-1, 1): cast back to an integer dtype it would be all zeros.
+    raise TypeError(f"newton_schulz needs a floating-point array, got dtype {x.dtype}.")
   schedule, safety = coefficient_schedule(coeffs, steps)
   compute_dtype = jnp.promote_types(x.dtype, jnp.float32) if dtype is None else jnp.dtype(dtype)
   fn = lambda m: _ns_matrix(m, schedule, safety, eps, compute_dtype, precision)

@@ -86,6 +86,22 @@ def _as_raw_key(key: jax.Array) -> jax.Array:
   return key
 
 
+def _checked_seed(seed: int) -> int:
+  """``seed`` if ``jax.random.key`` maps it to a key of its own, else a one-line ``ValueError``.
+
+  Without ``jax_enable_x64`` JAX keeps a seed's low 32 bits only, so 5 and
+  2³² + 5 would name one noise stream (and −5 the stream of 2³² − 5); with it,
+  seeds from 2⁶³ on do not convert.
+  """
+  bits = 63 if jax.config.read("jax_enable_x64") else 32
+  if not 0 <= seed < 2**bits:
+    raise ValueError(
+        f"A seed must be an int in [0, 2**{bits}), got {seed}: JAX would map it onto another "
+        "seed's key (it keeps the low 32 bits without jax_enable_x64) or refuse it."
+    )
+  return seed
+
+
 def root_key(key: KeyLike = None) -> RootKey:
   """Returns the run's root key.
 
@@ -102,7 +118,7 @@ def root_key(key: KeyLike = None) -> RootKey:
   if isinstance(key, (int, np.integer)):
     if isinstance(key, bool):
       raise TypeError("A seed must be an int, not a bool.")
-    return RootKey(jax.random.key_data(jax.random.key(int(key))), seeded=True)
+    return RootKey(jax.random.key_data(jax.random.key(_checked_seed(int(key)))), seeded=True)
   return RootKey(_as_raw_key(jnp.asarray(key)), seeded=True)
 
 

@@ -460,6 +460,8 @@ def _checked_clipped_sum(updates, params, mask, spec: GaussianReleaseSpec) -> Cl
         "that its input has the parameters' shapes."
     )
   _refuse_masked_params(params)
+  if not jax.tree.leaves(params):
+    raise ValueError("dp_release got a parameter tree without leaves: there is nothing to train.")
   if not isinstance(updates, ClippedSum):
     check_per_example_shapes(updates, params)
     _refuse_grid_overflow(jax.tree.leaves(updates)[0].shape[0], spec.clipping)
