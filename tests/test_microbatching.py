@@ -103,9 +103,11 @@ def test_bad_microbatch_size_raises(microbatch):
     clipped_sum(query, params, batch, MASK, CLIP, microbatch_size=microbatch)
 
 
-@pytest.mark.parametrize("mask", [jnp.where(MASK, 1.0, 0.0), jnp.full(B, 0.5)], ids=["0/1", "half"])
-def test_a_float_mask_is_refused(mask):
-  """A float mask reads like per-example weights, which a clipped sum does not apply."""
+@pytest.mark.parametrize("mask", [jnp.where(MASK, 1.0, 0.0), jnp.full(B, 0.5), jnp.arange(B) % 3],
+                         ids=["0/1", "half", "labels"])
+def test_a_mask_that_is_not_boolean_is_refused(mask):
+  """Floats read like per-example weights, which a clipped sum does not apply; integers like
+  labels passed where the mask goes, whose 0 class would silently drop out."""
   params, query, batch = _toy_setup()
   with pytest.raises(ValueError, match="mask must be boolean"):
     clipped_sum(query, params, batch, mask, CLIP)

@@ -519,12 +519,13 @@ def _default_mask(batch_size: int, mask: jax.Array | None) -> jax.Array:
   mask = jnp.asarray(mask)
   if mask.shape != (batch_size,):
     raise ValueError(f"mask must have shape ({batch_size},), got {mask.shape}.")
-  if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+  if mask.dtype != jnp.bool_:
     raise ValueError(
         f"mask must be boolean (True for a real example, False for padding), got dtype "
-        f"{mask.dtype}: a clipped sum counts every real example once, it does not weight them."
+        f"{mask.dtype}: a clipped sum counts every real example once and weights none (labels "
+        "passed as the mask would drop every example of class 0)."
     )
-  return mask.astype(jnp.bool_)
+  return mask
 
 
 def pad_to_multiple(batch: PyTree, mask: jax.Array, multiple: int) -> tuple[PyTree, jax.Array]:
