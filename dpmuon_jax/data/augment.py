@@ -42,7 +42,7 @@ def augment(
 
   Args:
     key: this step's augmentation key (a typed key or raw uint32 key).
-    images: the batch, any dtype (usually uint8, before :func:`normalize`).
+    images: the batch, any dtype (usually uint8, before :func:`~dpmuon_jax.data.images.normalize`).
     crop_padding: p of the random crop; 0 disables cropping.
     hflip: random horizontal flips (off for digits and characters; see
       ``DatasetInfo.hflip``).

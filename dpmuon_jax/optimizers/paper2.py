@@ -206,8 +206,8 @@ def muon_bc(
   Ĝ = aspect · [2 NS(M_t) − E_Z NS(M_t + s_t Z)] with s_t² = s₀² Σ_{j<t} β^{2j}
   the exact per-entry noise variance of the buffer after t inputs of
   per-entry noise std s₀, Z from the post-processing stream of ``key`` (see
-  :func:`dpmuon_jax.scale_by_bias_corrected_orthogonalization`); routed as
-  :func:`~dpmuon_jax.optimizers.muon.muon`.
+  :func:`~dpmuon_jax.transforms.bias_correction.scale_by_bias_corrected_orthogonalization`);
+  routed as :func:`~dpmuon_jax.optimizers.muon.muon`.
 
   Args:
     learning_rate: η of the Muon group.

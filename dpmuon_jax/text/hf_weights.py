@@ -1,4 +1,4 @@
-"""Hugging Face ``gpt2`` checkpoints (safetensors) ↔ the parameters of :class:`GPT2`.
+"""Hugging Face ``gpt2`` checkpoints (safetensors) ↔ :class:`~dpmuon_jax.text.gpt2.GPT2` parameters.
 
 Hugging Face stores GPT-2 as ``model.safetensors`` (+ ``config.json``) with
 tensor names (optionally prefixed ``transformer.``) ::

@@ -10,8 +10,8 @@ or, with a seed, ``named_seed(seed, optimizer)`` (its own noise, sampling and
 augmentation streams, reproducibly). Test accuracies use the public test split.
 
 Writes ``comparison.json`` and ``accuracy.png`` (test accuracy per epoch) into
-the output directory, and each run's ``dpmuon train`` outputs into
-``OUTPUT_DIR/<optimizer>/``.
+the output directory, and each run's ``dpmuon train`` outputs (without
+``curves.png``) into ``OUTPUT_DIR/<optimizer>/``.
 """
 
 from __future__ import annotations

@@ -189,8 +189,9 @@ def run_fingerprint(config, data_sha256: str, stream: np.ndarray,
 
   Two runs with equal fingerprints, resumed from the same checkpoint on the
   same backend, make bit-identical releases; the release journal replays lost
-  releases only then. ``data_sha256`` is :func:`data_digest` of the private
-  training arrays. ``stream`` is the noise stream the releases draw from
+  releases only then. ``data_sha256`` is
+  :func:`~dpmuon_jax.training.driver.data_digest` of the private training arrays.
+  ``stream`` is the noise stream the releases draw from
   (:func:`~dpmuon_jax.privacy.release.noise_stream`): a lost release redone
   from another stream would be a second release of the same sum, never a
   replay, whatever the settings say. ``evaluation_fields`` (the task's) are left out

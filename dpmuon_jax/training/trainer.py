@@ -56,7 +56,12 @@ __all__ = ["JOURNAL_NAME", "RESULTS_NAME", "ImageTask", "TrainConfig", "Training
 
 @dataclasses.dataclass
 class TrainConfig:
-  """Settings of one private training run (the ``dpmuon train`` flags).
+  """Settings of one private training run; most fields are ``dpmuon train`` flags.
+
+  ``--lr`` / ``--fallback-lr`` set ``learning_rate`` / ``fallback_learning_rate``,
+  ``--no-progress`` / ``--no-plot`` turn ``progress`` / ``plot`` off; the
+  fields without a flag (``optimizer_options``, ``model_overrides``,
+  ``eval_every``, ...) are for code and the experiment configs.
 
   ``batch_size`` is the EXPECTED batch size qN of Poisson sampling and the
   release denominator D. ``learning_rate=None`` takes the optimizer's paper
@@ -68,7 +73,7 @@ class TrainConfig:
   dataset: str = "digits"
   data_dir: str | None = None
   optimizer: str = "dp_muon"
-  optimizer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"buffer": "ema"}
+  optimizer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"weight_decay": 0.01}
   epsilon: float = 4.0
   delta: float = 1e-5
   batch_size: int = 256

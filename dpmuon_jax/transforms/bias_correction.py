@@ -140,10 +140,10 @@ def scale_by_bias_corrected_orthogonalization(
       cost: 1 + num_samples·(2 if antithetic else 1) Newton–Schulz calls.
     antithetic: use ±Z pairs.
     ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, max_aspect_ratio: as
-      in :func:`dpmuon_jax.scale_by_orthogonalization`,
+      in :func:`~dpmuon_jax.transforms.muon.scale_by_orthogonalization`,
       except the default coefficients: :data:`KIM_FAN_NS_COEFFS` (see above).
     attention_blocks, attention_heads: the blocks F sees, as in
-      :func:`dpmuon_jax.scale_by_orthogonalization` (a fused q, k, v block
+      :func:`~dpmuon_jax.transforms.muon.scale_by_orthogonalization` (a fused q, k, v block
       gets one Z of its own d × 3d shape).
   """
   checks.check_nonnegative("noise_std", noise_std)

@@ -14,7 +14,7 @@ release: no privacy cost, no probe data), whether to orthogonalise it::
     test "edge": σ₁(Y) > margin · edge              (a spike above the Marchenko–Pastur edge)
 
 A passing matrix takes the ``orthogonal`` branch's output (default
-:func:`dpmuon_jax.scale_by_orthogonalization`), a failing one the
+:func:`~dpmuon_jax.transforms.muon.scale_by_orthogonalization`), a failing one the
 ``fallback`` branch's (default the input itself: a momentum-SGD step). Both
 branches run on every step, so their states advance identically whatever the
 decisions. The "gap" test is conservative: for pure noise σ₁ − σ₂ is a small
