@@ -129,8 +129,10 @@ class LMTrainConfig:
     init_weights: a local Hugging Face GPT-2 directory (fine-tuning, paper 2);
       ``None`` trains ``model`` from scratch (results say so).
     model: a :data:`MODEL_PRESETS` name; ``model_overrides``: GPT2Config fields.
-    vocab_size: truncated BPE vocabulary for from-scratch models
+    vocab_size: truncated BPE vocabulary
       (:class:`~dpmuon_jax.text.tokenizer.GPT2Tokenizer`); ``None``: GPT-2's.
+      With ``init_weights`` it must be the checkpoint's (8,192 for
+      ``experiments.pretrain_public``'s default start).
     optimizer: a name with a ``"gpt2"`` preset in
       :mod:`dpmuon_jax.optimizers.registry` (paper 2's tables: the
       ``paper2`` routing and an AdamW group); ``optimizer_kwargs`` go to its
@@ -243,7 +245,9 @@ FLAG_HELP = {
     "accountant": "rdp or pld",
     "seed": "makes noise and sampling reproducible (recorded as seeded); default: OS entropy",
     "model_seed": "public initialisation seed (from scratch)",
-    "microbatch_size": "accumulate the clipped sum in chunks of this many rows",
+    "microbatch_size": "accumulate the clipped sum in chunks of this many rows (default: the "
+                       "whole padded batch at once, which for GPT-2 needs far more memory than "
+                       "a CPU has: pass e.g. 32)",
     "clipped_sum_method": "vmap, ghost or automatic",
     "train_split": "the split trained on (not valid nor a --generate-splits one: they are "
                    "scored)",
@@ -342,7 +346,8 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
     params, gpt2_config = load_hf_gpt2(config.init_weights)
     if gpt2_config.vocab_size != vocab_size:
       raise ValueError(f"The checkpoint's vocabulary has {gpt2_config.vocab_size} tokens, the "
-                       f"tokenizer {vocab_size}: pretrained weights need vocab_size=None.")
+                       f"tokenizer {vocab_size}: set vocab_size (--vocab-size) to the "
+                       f"checkpoint's, {gpt2_config.vocab_size} (None is GPT-2's 50,257).")
     module = nnx.eval_shape(lambda: GPT2(gpt2_config, rngs=nnx.Rngs(0)))
     apply, _ = gpt2_model(tap(module))
     return apply, params, gpt2_config, True
