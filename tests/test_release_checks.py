@@ -155,7 +155,7 @@ def test_make_private_passes_its_clipping_to_the_optimizer():
 
 @pytest.mark.parametrize("wrap", ["masked", "partition"])
 def test_a_release_inside_optax_masked_or_partition_is_refused(wrap):
-  """Either wrapper would pass the leaves the release does not see their raw per-example rows."""
+  """Either wrapper would update the leaves the release does not see with their raw rows."""
   params = _square_dense(4)
   release = dm.dp_sgd(0.1, l2_clip_norm=C, noise_multiplier=1.0, denominator=10.0, key=0)
   if wrap == "masked":
