@@ -182,3 +182,12 @@ def test_a_private_step_names_the_chunks_it_takes(chunks):
   given = {"pair": (batch, mask), "empty": [], "batch": batch}[chunks]
   with pytest.raises(TypeError, match=r"a non-empty list of \(batch, mask\) chunks"):
     step(params, opt.init(params), given)
+
+
+def test_optax_multisteps_around_a_release_is_refused_naming_the_fix():
+  params = _square_dense(4)
+  opt = optax.MultiSteps(dm.dp_sgd(0.1, l2_clip_norm=C, noise_multiplier=1.0,
+                                   denominator=10.0, key=0), every_k_schedule=2)
+  per_example = jax.tree.map(lambda p: jnp.ones((3,) + p.shape), params)
+  with pytest.raises(ValueError, match=r"optax.MultiSteps .* dm.clipped_sum"):
+    opt.update(per_example, opt.init(params), params, mask=jnp.ones(3, bool))

@@ -174,11 +174,14 @@ def check_per_example_shapes(per_example: PyTree, params: PyTree) -> int:
   batch_sizes = set()
   for (path, shape), (_, p_shape) in zip(_leaf_shapes(per_example), _leaf_shapes(params)):
     if shape[1:] != p_shape or len(shape) != len(p_shape) + 1:
+      accumulated = (" optax.MultiSteps around a release hands it such an average: accumulate "
+                     "with dm.clipped_sum(..., microbatch_size=...) instead."
+                     if shape == p_shape else "")
       raise ValueError(
           f"The release expects per-example queries of shape (B,) + parameter shape; "
           f"{path} has shape {shape} for a parameter of shape {p_shape}, so (B,) + {p_shape} "
           "was expected (per-example gradients come from vmap(grad); a summed gradient "
-          "cannot be released)."
+          f"cannot be released).{accumulated}"
       )
     batch_sizes.add(shape[0])
   if len(batch_sizes) > 1:
