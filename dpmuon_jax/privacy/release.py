@@ -427,7 +427,7 @@ def _release_spec(
     )
   noise_key, seeded = claim_noise_stream(key)
   spec = GaussianReleaseSpec(
-      float(l2_clip_norm), float(noise_multiplier), float(denominator), seeded, neighbouring,
+      l2_clip_norm, float(noise_multiplier), float(denominator), seeded, neighbouring,
       clipping,
   )
   return spec, noise_key

@@ -57,15 +57,11 @@ def is_weight_matrix(path: Path, leaf: jax.Array) -> bool:
   return jnp.ndim(leaf) >= 2 and not (path and path[-1].lower() in ("bias", "scale"))
 
 
-def _paper1(path: Path, leaf: jax.Array) -> bool:
-  return is_weight_matrix(path, leaf)
-
-
 def _muon(path: Path, leaf: jax.Array) -> bool:
   return is_weight_matrix(path, leaf) and not (is_embedding(path) or is_head(path))
 
 
-_PRESET_FNS: dict[str, RouteFn] = {"paper1": _paper1, "muon": _muon, "paper2": _muon}
+_PRESET_FNS: dict[str, RouteFn] = {"paper1": is_weight_matrix, "muon": _muon, "paper2": _muon}
 
 
 def route_fn(routing: Routing) -> RouteFn:
