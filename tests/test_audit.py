@@ -78,6 +78,8 @@ def test_epsilon_clopper_pearson_is_below_the_true_gdp_epsilon():
   n, mu, delta = 20_000, 1.0, 0.1
   eps = epsilon_clopper_pearson(_deterministic_normal(mu, n), _deterministic_normal(0, n), 0.1,
                                 delta)
+  if not hasattr(dp_accounting, "get_epsilon_gaussian"):
+    pytest.skip("dp-accounting < 0.6 has no get_epsilon_gaussian (the exact GDP ε)")
   true_eps = dp_accounting.get_epsilon_gaussian(1 / mu, delta)
   assert 0.6 * true_eps < eps < true_eps
 

@@ -20,6 +20,7 @@ import tarfile
 import zipfile
 
 import pytest
+from packaging.version import Version
 
 import dpmuon_jax
 
@@ -137,3 +138,28 @@ def test_dpmuon_train_and_account_run_from_the_wheel(venv, tmp_path):
 def test_the_changelog_has_an_entry_for_this_version():
   changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
   assert f"\n## {VERSION}\n" in changelog and "\n## Unreleased\n" in changelog
+
+
+def test_the_floors_ci_job_pins_every_lower_bound_of_pyproject():
+  """`.ci/run floors` tests the oldest releases pyproject.toml allows, and only those."""
+  import tomllib
+
+  from packaging.requirements import Requirement
+  from packaging.utils import canonicalize_name
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+  extras = project["optional-dependencies"]
+  required = [Requirement(r) for r in project["dependencies"] + extras["train"]
+              + extras["audit"] + extras["text"]]
+  bounds = {}
+  for req in required:
+    (lower,) = [s.version for s in req.specifier if s.operator == ">="]
+    bounds[canonicalize_name(req.name)] = lower
+  lines = (ROOT / ".ci" / "floors.txt").read_text(encoding="utf-8").splitlines()
+  pins = {}
+  for req in (Requirement(line) for line in lines if line and not line.startswith("#")):
+    (pin,) = [s.version for s in req.specifier if s.operator == "=="]
+    pins[canonicalize_name(req.name)] = pin
+  assert set(pins) == set(bounds)
+  for name, lower in bounds.items():
+    assert Version(pins[name]) == Version(lower), name
