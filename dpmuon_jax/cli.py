@@ -24,6 +24,7 @@ import json
 import os
 import sys
 
+from dpmuon_jax.extras import MissingExtraError
 from dpmuon_jax.help_format import HelpFormatter
 
 _DESCRIPTION = """\
@@ -643,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": _train, "train-lm": _train_lm, "export": _export,
                 "account": _account, "tune": _tune, "compare": _compare}
     return commands[args.command](args)
-  except (ValueError, OSError, KeyError) as error:
+  except (ValueError, OSError, KeyError, MissingExtraError) as error:
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     print(f"dpmuon {args.command}: error: {message}", file=sys.stderr)
     return 2

@@ -75,6 +75,7 @@ import statistics
 import time
 
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
+from dpmuon_jax.extras import MissingExtraError
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.privacy.disk_query import single_point
 from dpmuon_jax.text.data import encode_pairs
@@ -92,7 +93,6 @@ from dpmuon_jax.text.train import (
 from dpmuon_jax.training.checkpoint import latest_good_step
 from dpmuon_jax.training.driver import TrainingError
 from dpmuon_jax.training.records import append_csv_row, write_csv
-from dpmuon_jax.training.tracking import MissingExtraError
 from experiments.pretrain_public import sha256_file
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant
 

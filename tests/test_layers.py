@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Module-path prefix -> layer, bottom to top; the longest matching prefix wins.
 LAYERS: dict[str, int] = {
     "dpmuon_jax.checks": 0,
+    "dpmuon_jax.extras": 0,
     "dpmuon_jax.help_format": 0,
     "dpmuon_jax.privacy": 1,
     "dpmuon_jax.linalg": 1,

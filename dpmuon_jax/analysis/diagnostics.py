@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from dpmuon_jax.extras import requires
 from dpmuon_jax.linalg.scaling import (
   DimensionNumbers,
   dimension_numbers_fn,
@@ -301,12 +302,10 @@ def plot_spectrum(
 
   Needs matplotlib (the ``train`` extra). Returns ``path``.
   """
-  try:
+  with requires("train", "plot_spectrum"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-  except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError("plot_spectrum needs matplotlib (pip install 'dpmuon-jax[train]').") from err
   from dpmuon_jax.transforms.shrinkage import marchenko_pastur_density
 
   x = np.asarray(matrix, np.float64)

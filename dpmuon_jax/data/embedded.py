@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 
 from dpmuon_jax.data.images import ImageDataset
+from dpmuon_jax.extras import requires
 
 EMBEDDED_NAME = "digits"
 NUM_TRAIN = 1500
@@ -25,12 +26,8 @@ NUM_TRAIN = 1500
 
 def load_embedded() -> ImageDataset:
   """Digits as an :class:`ImageDataset` of 8×8×1 uint8 images, 1500 / 297."""
-  try:
+  with requires("train", "The embedded 'digits' dataset"):
     from sklearn.datasets import load_digits
-  except ImportError:
-    raise ImportError(
-        "The embedded 'digits' dataset needs scikit-learn: pip install 'dpmuon-jax[train]'."
-    ) from None
 
   digits = cast(Any, load_digits())  # a Bunch (return_X_y=False)
   images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]

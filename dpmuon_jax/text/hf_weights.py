@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from dpmuon_jax.extras import requires
 from dpmuon_jax.text.gpt2 import GPT2Config
 
 PyTree = Any
@@ -128,7 +129,8 @@ def _hf_config(config: GPT2Config) -> dict[str, Any]:
 
 def save_hf_gpt2(params: PyTree, config: GPT2Config, directory: str | os.PathLike) -> None:
   """Writes ``model.safetensors`` and ``config.json`` in the Hugging Face layout."""
-  from safetensors.numpy import save_file
+  with requires("text", "Writing Hugging Face weights"):
+    from safetensors.numpy import save_file
 
   os.makedirs(directory, exist_ok=True)
   save_file(params_to_hf(params, config), os.path.join(directory, WEIGHTS_FILE),
@@ -154,7 +156,8 @@ def load_hf_gpt2(directory: str | os.PathLike) -> tuple[PyTree, GPT2Config]:
         "weights; fetch them yourself (e.g. `huggingface-cli download gpt2 model.safetensors "
         "config.json --local-dir DIR`) and pass DIR."
     )
-  from safetensors.numpy import load_file
+  with requires("text", "Reading Hugging Face weights"):
+    from safetensors.numpy import load_file
 
   with open(config_path) as f:
     config = config_from_hf(json.load(f))

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dpmuon_jax.extras import requires
 from dpmuon_jax.text.gpt2 import ApplyFn, token_nll
 
 PyTree = Any
@@ -52,7 +53,8 @@ def bleu(hypotheses: Sequence[str], references: References) -> float:
   ``force=True`` only silences sacrebleu's warning about pre-tokenized text
   (the ``src1`` references are); the score is unchanged.
   """
-  import sacrebleu
+  with requires("text", "BLEU"):
+    import sacrebleu
 
   _check(hypotheses, references)
   k = max(len(r) for r in references)
@@ -68,7 +70,8 @@ def ptb_tokenize(texts: Sequence[str]) -> list[str]:
   if shutil.which("java") is None:
     raise RuntimeError("The official E2E ROUGE-L tokenizes with Stanford's PTBTokenizer, which "
                        "needs `java` on PATH (e.g. `apt-get install default-jre-headless`).")
-  from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+  with requires("text", "The official E2E ROUGE-L"):
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
   out = PTBTokenizer().tokenize({i: [{"caption": t}] for i, t in enumerate(texts)})
   return [out[i][0] for i in range(len(texts))]
@@ -83,7 +86,8 @@ def e2e_rouge_l(
     tokenized: the texts are already PTB-tokenized (tokens split on single
       spaces); otherwise :func:`ptb_tokenize` runs first, as e2e-metrics does.
   """
-  from pycocoevalcap.rouge.rouge import Rouge
+  with requires("text", "The official E2E ROUGE-L"):
+    from pycocoevalcap.rouge.rouge import Rouge
 
   _check(hypotheses, references)
   if not tokenized:
@@ -99,7 +103,8 @@ def e2e_rouge_l(
 
 def dart_rouge_l(hypotheses: Sequence[str], references: References) -> float:
   """GEM's ROUGE-L: rouge-score rougeL F1 with stemming, jackknifed over references, ×100."""
-  from rouge_score import rouge_scorer
+  with requires("text", "GEM's ROUGE-L"):
+    from rouge_score import rouge_scorer
 
   _check(hypotheses, references)
   scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)

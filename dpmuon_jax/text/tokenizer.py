@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from dpmuon_jax.extras import requires
+
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 50256
 VOCAB_FILE = "vocab.json"
@@ -38,8 +40,9 @@ class GPT2Tokenizer:
   """
 
   def __init__(self, directory: str | os.PathLike, vocab_size: int | None = None):
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    with requires("text", "The GPT-2 tokenizer"):
+      import tiktoken
+      from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     vocab, merges = (os.path.join(directory, f) for f in (VOCAB_FILE, MERGES_FILE))
     for path in (vocab, merges):

@@ -67,6 +67,7 @@ from dpmuon_jax.distributed.sharding import (
     parse_mesh_shape,
     shard_train_state,
 )
+from dpmuon_jax.extras import MissingExtraError, requires
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key
 from dpmuon_jax.privacy.release import PrivateTransformation, noise_stream, with_noise_counter
@@ -101,7 +102,7 @@ from dpmuon_jax.training.loop import (
 )
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.step import PrivateStep, StepOutput
-from dpmuon_jax.training.tracking import MissingExtraError, history_tags, tensorboard_writer
+from dpmuon_jax.training.tracking import history_tags, tensorboard_writer
 
 PyTree = Any
 
@@ -624,7 +625,8 @@ def _finished(task: Task, placed: _Placed, ledger: PrivacyLedger, root: RootKey,
 def _progress(total: int, initial: int, enabled: bool):
   if not enabled:
     return None
-  from tqdm.auto import tqdm
+  with requires("train", "The progress bar"):
+    from tqdm.auto import tqdm
 
   return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
@@ -759,10 +761,11 @@ def _write_outputs(output_dir: str, results: dict, history: list[dict],
 
 def _plot(output_dir: str, history: list[dict], plotted: Sequence[tuple[str, str]]) -> None:
   """``curves.png``: one panel per ``(column, title)``, against the step."""
-  import matplotlib
+  with requires("train", "curves.png"):
+    import matplotlib
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
   steps = [h["step"] for h in history]
   fig, axes = plt.subplots(1, len(plotted), figsize=(4 * len(plotted), 3.2))

@@ -18,16 +18,14 @@ import math
 from collections.abc import Mapping
 from typing import Protocol
 
+from dpmuon_jax.extras import requires
+
 EXTRA = "tensorboard"
 NONPRIVATE_PREFIX = "nonprivate/"
 NONPRIVATE_DESCRIPTION = (
     "NON-PRIVATE: computed from the sampled training examples before noise; "
     "not covered by the privacy guarantee."
 )
-
-
-class MissingExtraError(ImportError):
-  """Tracking was asked for but its optional dependency is not installed."""
 
 
 class ScalarWriter(Protocol):
@@ -66,13 +64,8 @@ class TensorBoardWriter:
   """
 
   def __init__(self, log_dir: str, purge_step: int | None = None):
-    try:
+    with requires(EXTRA, "--log-dir (TensorBoard logs)"):
       from tensorboardX import SummaryWriter
-    except ImportError:
-      raise MissingExtraError(
-          f"--log-dir writes TensorBoard logs and needs the '{EXTRA}' extra: "
-          f"pip install 'dpmuon-jax[{EXTRA}]'."
-      ) from None
     self._writer = SummaryWriter(log_dir, purge_step=purge_step)
     self.last_step: int | None = None
 
