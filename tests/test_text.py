@@ -373,6 +373,24 @@ def test_tokenizer_ids_match_gpt2():
 
 
 @needs_text_data
+def test_a_changed_bpe_file_at_the_same_path_is_read_again(tmp_path):
+  """tiktoken caches the BPE files by path: the tokenizer must not reuse a stale copy."""
+  pytest.importorskip("tiktoken", reason="needs the text extra")
+  from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+
+  for name in ("vocab.json", "merges.txt"):
+    shutil.copy(os.path.join(TEXT_DIR, "gpt2", name), tmp_path / name)
+  assert GPT2Tokenizer(tmp_path).encode(" restaurant") == [7072]
+  # The first 1,000 merges only: " restaurant" (rank 7,072) is no longer one token.
+  merges = (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()[:1001]
+  (tmp_path / "merges.txt").write_text("\n".join(merges) + "\n", encoding="utf-8")
+  vocab = json.loads((tmp_path / "vocab.json").read_text(encoding="utf-8"))
+  (tmp_path / "vocab.json").write_text(
+      json.dumps({k: v for k, v in vocab.items() if v < 256 + 1000}), encoding="utf-8")
+  assert len(GPT2Tokenizer(tmp_path).encode(" restaurant")) > 1
+
+
+@needs_text_data
 def test_e2e_and_dart_loaders_and_encoding(tmp_path):
   pytest.importorskip("tiktoken", reason="needs the text extra")
   from dpmuon_jax.text.tokenizer import GPT2Tokenizer

@@ -16,6 +16,7 @@ cost; pretrained GPT-2 weights need the full 50,257.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 
@@ -27,6 +28,11 @@ VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 # GPT-2's pre-tokenisation regex (openai/gpt-2 encoder.py).
 _PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
 
 
 class GPT2Tokenizer:
@@ -48,7 +54,9 @@ class GPT2Tokenizer:
     for path in (vocab, merges):
       if not os.path.isfile(path):
         raise FileNotFoundError(f"GPT-2 BPE file not found: {path!r}.")
-    ranks = data_gym_to_mergeable_bpe_ranks(merges, vocab)
+    # tiktoken caches the files it reads under the system's temporary folder, keyed by path:
+    # the files' hashes make it reread them when they changed (or the cache was tampered with).
+    ranks = data_gym_to_mergeable_bpe_ranks(merges, vocab, _sha256(merges), _sha256(vocab))
     if vocab_size is None:
       vocab_size = EOS_ID + 1
     if isinstance(vocab_size, bool) or not 257 <= int(vocab_size) <= EOS_ID + 1:
