@@ -11,6 +11,7 @@ from dpmuon_jax.text import metrics
 from dpmuon_jax.text.gpt2 import GPT2Config
 from dpmuon_jax.text.hf_weights import save_hf_gpt2
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
+from dpmuon_jax.training.trainer import JOURNAL_NAME, TrainConfig, train
 
 
 def _hide(monkeypatch, package: str) -> None:
@@ -35,6 +36,24 @@ def test_a_missing_optional_module_names_its_extra(call, module, extra, monkeypa
   needs = rf"needs {module}: pip install 'dpmuon-jax\[{extra}\]'\.$"
   with pytest.raises(MissingExtraError, match=needs):
     call(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "option, module",
+    [("plot", "matplotlib"), ("progress", "tqdm"), ("log_dir", "tensorboardX")],
+)
+def test_a_run_missing_an_extra_stops_before_its_first_release(option, module, monkeypatch,
+                                                               tmp_path, tiny_data):
+  _hide(monkeypatch, module)
+  options = {"plot": False, "progress": False, "log_dir": None}
+  options[option] = str(tmp_path / "tb") if option == "log_dir" else True
+  config = TrainConfig(model="mlp", dataset="tiny", optimizer="dp_sgd", epsilon=3.0, delta=1e-3,
+                       batch_size=16, epochs=1, seed=3, output_dir=str(tmp_path / "run"),
+                       learning_rate=0.1, **options)
+  with pytest.raises(MissingExtraError, match=rf"needs {module}: pip install"):
+    train(config, tiny_data)
+  journal = tmp_path / "run" / JOURNAL_NAME  # its first entry precedes the first release
+  assert not journal.exists() or not journal.read_text().strip()
 
 
 def test_requires_passes_other_errors_and_an_inner_missing_extra_through():

@@ -3,7 +3,6 @@
 import glob
 import math
 import os
-import sys
 
 import pytest
 
@@ -19,7 +18,7 @@ from dpmuon_jax.training.tracking import (  # noqa: E402
     history_tags,
     tensorboard_writer,
 )
-from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train  # noqa: E402
+from dpmuon_jax.training.trainer import TrainConfig, train  # noqa: E402
 
 
 def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -84,17 +83,6 @@ def test_epsilon_grows_step_by_step_and_a_resumed_run_continues_the_curve(tmp_pa
 
 def test_without_log_dir_there_is_no_writer():
   assert tensorboard_writer(None) is None
-
-
-def test_a_missing_extra_is_one_clear_line(tmp_path, tiny_data, monkeypatch, capsys):
-  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails as if not installed
-  with pytest.raises(TrainingError, match=r"pip install 'dpmuon-jax\[tensorboard\]'"):
-    train(_config(tmp_path, max_steps=1, log_dir=str(tmp_path / "tb")), tiny_data)
-  code = cli.main(["train", "--max-steps", "1", "--output-dir", str(tmp_path / "cli"),
-                   "--log-dir", str(tmp_path / "tb2"), "--no-progress", "--no-plot"])
-  err = capsys.readouterr().err.strip()
-  assert code == 2 and len(err.splitlines()) == 1
-  assert "tensorboard" in err and "Traceback" not in err
 
 
 def test_history_tags_put_every_nonprivate_column_under_nonprivate():

@@ -67,7 +67,7 @@ from dpmuon_jax.distributed.sharding import (
     parse_mesh_shape,
     shard_train_state,
 )
-from dpmuon_jax.extras import MissingExtraError, requires
+from dpmuon_jax.extras import requires
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key
 from dpmuon_jax.privacy.release import PrivateTransformation, noise_stream, with_noise_counter
@@ -486,6 +486,8 @@ def run_task(task: Task) -> dict:
   and the privacy certificate, nothing secret) under ``config.output_dir``.
   """
   config = task.config
+  if config.plot and is_primary():
+    _pyplot()  # a missing extra fails here, not after the last release
   os.makedirs(config.output_dir, exist_ok=True)
   ckpt_dir = os.path.join(config.output_dir, "checkpoints")
   journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
@@ -636,10 +638,7 @@ def _open_tracker(log_dir: str | None, start: int):
 
   Resumed from step ``start``, it first drops what an interrupted run logged after it.
   """
-  try:
-    return tensorboard_writer(log_dir, purge_step=start + 1 if start else None)
-  except MissingExtraError as error:
-    raise TrainingError(str(error)) from None
+  return tensorboard_writer(log_dir, purge_step=start + 1 if start else None)
 
 
 def _close_tracker(tracker, history: list[dict], tracked: Mapping[str, str]) -> None:
@@ -759,14 +758,19 @@ def _write_outputs(output_dir: str, results: dict, history: list[dict],
   os.replace(path + ".tmp", path)
 
 
-def _plot(output_dir: str, history: list[dict], plotted: Sequence[tuple[str, str]]) -> None:
-  """``curves.png``: one panel per ``(column, title)``, against the step."""
+def _pyplot():
+  """matplotlib's ``pyplot`` on the file-only Agg backend (the ``train`` extra)."""
   with requires("train", "curves.png"):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+  return plt
 
+
+def _plot(output_dir: str, history: list[dict], plotted: Sequence[tuple[str, str]]) -> None:
+  """``curves.png``: one panel per ``(column, title)``, against the step."""
+  plt = _pyplot()
   steps = [h["step"] for h in history]
   fig, axes = plt.subplots(1, len(plotted), figsize=(4 * len(plotted), 3.2))
   for ax, (key, label) in zip(np.atleast_1d(axes), plotted):
