@@ -112,7 +112,7 @@ PILOT_FIELDS = (
     "train_seconds", "run_seconds", "steady_peak_rss_gib", "train_cpu_seconds", "resumed",
 )
 _TEXT_FIELDS = ("variant", "optimizer", "clipped_sum_method", "pretrained", "grid", "on_edge")
-_INT_FIELDS = ("seed", "pilot_seed", "pilot_releases", "resumed")
+_INT_FIELDS = ("seed", "pilot_seed", "pilot_releases", "resumed", "step")
 
 
 def run_config(exp: TextExperiment, variant: Variant, epsilon: float, seed: int, out: str,
@@ -248,6 +248,11 @@ def run_key(label: str, epsilon: float, seed: int) -> tuple[str, float, int]:
   return label, float(epsilon), int(seed)
 
 
+def row_key(row: dict) -> tuple[str, float, int]:
+  """The :func:`run_key` of a recorded row (of ``runs.csv`` or ``curves.csv``)."""
+  return run_key(row["variant"], row["target_epsilon"], row["seed"])
+
+
 def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = None,
         tiny: bool = False, log_dir: str | None = None, own_process: bool = True) -> list[dict]:
   """Trains every run not yet in ``out/runs.csv``, then summarises all of them.
@@ -267,7 +272,7 @@ def run(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None = Non
   call = in_own_process if own_process else _in_this_process
   call(_prepare, exp, out, data_dir, gpt2_dir, tiny)
   path = os.path.join(out, "runs.csv")
-  done = {run_key(r["variant"], r["target_epsilon"], r["seed"]) for r in read_rows(path)}
+  done = {row_key(r) for r in read_rows(path)}
   runs = list(exp.runs())[:1] if tiny else list(exp.runs())  # tiny: the first, tiny shapes
   factors: dict[tuple[str, float], float] = {}
   for variant, epsilon, seed in runs:
@@ -293,9 +298,8 @@ def summarise_recorded(exp: TextExperiment, out: str,
   returns the recorded rows of ``runs`` (default: all the experiment's), in their order."""
   runs = list(exp.runs()) if runs is None else runs
   order = {run_key(v.label, e, s): i for i, (v, e, s) in enumerate(runs)}
-  rows = sorted((r for r in read_rows(os.path.join(out, "runs.csv"))
-                 if run_key(r["variant"], r["target_epsilon"], r["seed"]) in order),
-                key=lambda r: order[run_key(r["variant"], r["target_epsilon"], r["seed"])])
+  rows = sorted((r for r in read_rows(os.path.join(out, "runs.csv")) if row_key(r) in order),
+                key=lambda r: order[row_key(r)])
   if rows:
     _write_summaries(exp, out, rows, runs)
   return rows
@@ -500,7 +504,7 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
     zero_row = [zero_shot_row(record)]
   write_csv(os.path.join(out, "summary.csv"), summary + zero_row)
   _plot(os.path.join(out, f"{exp.metric}_vs_epsilon.png"), summary, exp, floor)
-  curves = collect_curves(runs, dirs)
+  curves = recorded_curves(os.path.join(out, "curves.csv"), runs, collect_curves(runs, dirs))
   if curves and len({c["step"] for c in curves}) > 1:
     write_csv(os.path.join(out, "curves.csv"), curves, CURVE_FIELDS)
     _plot_curves(os.path.join(out, "valid_nll_curves.png"), curves, exp, floor)
@@ -557,6 +561,17 @@ def collect_curves(runs: list[tuple[Variant, float, int]], dirs: list[str]) -> l
                        "valid_nll": float(r["valid_nll"]), "seconds": float(r["seconds"]),
                        "cpu_seconds": float(r.get("cpu_seconds") or "nan")})
   return curves
+
+
+def recorded_curves(path: str, runs: list[tuple[Variant, float, int]],
+                    collected: list[dict]) -> list[dict]:
+  """The curves of ``path`` (``curves.csv``) updated with those ``collected`` from the
+  runs' folders, in the order of ``runs``: a checkout without the folders (they are not
+  committed) keeps and plots the recorded curves, and a run's folder replaces its rows."""
+  order = {run_key(v.label, e, s): i for i, (v, e, s) in enumerate(runs)}
+  fresh = {row_key(c) for c in collected}
+  kept = [c for c in read_rows(path, CURVE_FIELDS) if row_key(c) not in fresh]
+  return sorted(kept + collected, key=lambda c: (order.get(row_key(c), len(order)), c["step"]))
 
 
 DECISION_FIELDS = ("comparison", "variant", "baseline", "target_epsilon", "seeds",
@@ -868,7 +883,7 @@ def _plot_curves(path: str, curves: list[dict], exp: TextExperiment,
   epsilons = sorted({c["target_epsilon"] for c in curves}, reverse=True)
   fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 3.8), squeeze=False)
   for ax, epsilon in zip(axes[0], epsilons):
-    for variant in exp.variants:
+    for colour, variant in enumerate(exp.variants):  # one colour per arm in every panel
       mine = [c for c in curves if (c["variant"], c["target_epsilon"]) == (variant.label,
                                                                             epsilon)]
       if not mine:
@@ -876,12 +891,13 @@ def _plot_curves(path: str, curves: list[dict], exp: TextExperiment,
       steps = sorted({c["step"] for c in mine})
       means = [statistics.fmean(c["valid_nll"] for c in mine if c["step"] == t) for t in steps]
       seeds = len({c["seed"] for c in mine})
-      ax.plot(steps, means, marker="o", markersize=3, label=f"{variant.label} ({seeds} seeds)")
-    if floor is not None:
-      ax.axhline(floor, color="gray", linestyle="--", label="public start")
+      ax.plot(steps, means, marker="o", markersize=3, color=f"C{colour}",
+              label=f"{variant.label} ({seeds} seed{'s' * (seeds > 1)})")
     ax.set_xlabel("release")
     ax.set_ylabel("validation NLL (nats / target token)")
-    ax.set_title(f"target ε = {epsilon:g}")
+    # The start, far above the curves, goes in the title: as a line it would flatten them.
+    start = "" if floor is None else f" (public start: {floor:.3f})"
+    ax.set_title(f"target ε = {epsilon:g}{start}")
     ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import math
 import os
+import shutil
 
 import pytest
 
@@ -190,6 +191,14 @@ def test_pilot_extends_the_grid_off_an_edge_and_each_arm_runs_at_its_choice(tmp_
     (tmp_path / name).unlink()
   assert text_sweep.summarise_recorded(exp, str(tmp_path)) == rows
   assert all((tmp_path / name).exists() for name in ("summary.csv", "curves.csv", "pairs.csv"))
+  # A clean checkout has the committed CSVs, not the runs' folders: the curves and their
+  # plot are rebuilt from curves.csv, unchanged.
+  recorded = (tmp_path / "curves.csv").read_text()
+  shutil.rmtree(tmp_path / "runs")
+  (tmp_path / "valid_nll_curves.png").unlink()
+  assert text_sweep.summarise_recorded(exp, str(tmp_path)) == rows
+  assert (tmp_path / "curves.csv").read_text() == recorded
+  assert (tmp_path / "valid_nll_curves.png").exists()
 
 
 @needs_text_data
