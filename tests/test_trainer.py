@@ -246,3 +246,18 @@ def test_fallback_group_runs_its_own_rate_on_the_runs_schedule():
     np.testing.assert_allclose(given.learning_rate(t), 0.9 / 0.05 * muon(t), rtol=1e-5)
   with pytest.raises(ValueError, match="no fallback group"):
     _optimizer_options(TrainConfig(optimizer="dp_sgd", fallback_learning_rate=0.9), steps)
+
+
+def test_a_resumed_run_compiles_its_step_once(tmp_path, tiny_data, caplog):
+  """The checkpoint restores committed arrays; the noise counter set for the resumption
+  must be placed like them, or the first release retraces the step (twice the compile
+  time and memory on every resumption)."""
+  import jax
+
+  train(_config(tmp_path, "part", max_steps=2, checkpoint_every=2), tiny_data)
+  caplog.set_level("WARNING")
+  with jax.log_compiles():
+    resumed = train(_config(tmp_path, "part", resume=True, checkpoint_every=2), tiny_data)
+  assert resumed["releases"] == 8
+  compiles = [r.getMessage() for r in caplog.records if "Compiling jit(step)" in r.getMessage()]
+  assert len(compiles) == 1, compiles

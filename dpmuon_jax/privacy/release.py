@@ -633,8 +633,8 @@ def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptStat
   current = noise_counter(opt_state)
   if counter < current:
     raise ValueError(f"The noise counter only moves forward ({current} -> {counter} refused).")
-  return jax.tree.map(
-      lambda x: x._replace(count=jnp.asarray(counter, x.count.dtype)) if _is_release_state(x)
+  return jax.tree.map(  # placed like the old count: a restored (committed) state stays so
+      lambda x: x._replace(count=jnp.full_like(x.count, counter)) if _is_release_state(x)
       else x,
       opt_state,
       is_leaf=_is_release_state,
