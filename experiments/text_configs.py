@@ -308,3 +308,21 @@ _add(
         "paper 2's ε = 8 preset (ε = 8 only); greedy decoding of at most 66 new tokens.",
     ),
 )
+
+_add(
+    # Exploratory, outside e2e_public_slice's rule: its 2T arm's 200-release pilot chose half
+    # the rate that the 100-release pilots chose, and that arm was already ahead at its own
+    # release 400. Does DP-Muon at half the rate close the equal-compute gap over 400
+    # releases, and does inner momentum (K = 1) gain at that rate? One seed, paired with the
+    # study's seed 37 (same samples), so it describes and decides nothing.
+    dataclasses.replace(
+        TEXT_EXPERIMENTS["e2e_public_slice"], name="e2e_public_slice_half_rate",
+        table="exploratory follow-up of e2e_public_slice: every arm at half the rate",
+        variants=(DP_MUON, Variant("DP-Muon-IM (K = 1)", "dp_muon_im", _IM_K1)),
+        epsilons=(8.0,), seeds=(37,), rate_grid=(), learning_rate=0.001,
+        fallback_learning_rate=0.00175,
+        scaling="as e2e_public_slice (the same start, private data, q, T = 400, δ), at ε = 8 "
+        "only, both rates at half paper 2's (0.001 / 0.00175: the factor ½ that the 2T arm's "
+        "pilot chose), no pilot, seed 37 only.",
+    ),
+)
