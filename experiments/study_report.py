@@ -20,7 +20,8 @@ Writes into the study's folder:
   ``predictor_count.csv``, its hits and misses once every point has every
   reported seed (:func:`predictor_count`);
 * ``ablation.csv``: paper 1's ablation table laid out as the paper's, this
-  study's test accuracy beside paper 1's (:data:`PAPER1_TABLE`);
+  study's test accuracy beside paper 1's (:data:`PAPER1_TABLE`), and
+  ``ablation.md``, the same as a Markdown table for the READMEs;
 * ``accuracy_vs_batch.png``: test accuracy against B per optimizer, error
   bars = std over seeds (solid: fixed epochs; dashed: fixed releases);
 * ``threshold_report.csv``: NON-PRIVATE analysis of paper 1's recovery
@@ -77,6 +78,9 @@ PAPER1_TABLE: dict[tuple[str, int], tuple[float, float]] = {
 }
 PAPER1_ROWS = ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
                "dp_doppler_muon", "dp_muon_s")
+PAPER1_NAMES = {"dp_sgd": "DP-SGD", "dp_disk_sgd": "DiSK-SGD", "dp_doppler_sgd": "DOPPLER-SGD",
+                "dp_muon": "DP-Muon", "dp_disk_muon": "DiSK-Muon",
+                "dp_doppler_muon": "DOPPLER-Muon", "dp_muon_s": "DP-Muon-S"}
 
 
 def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
@@ -283,6 +287,20 @@ def ablation_rows(summary: list[dict]) -> list[dict]:
   return out
 
 
+def ablation_markdown(table: list[dict]) -> str:
+  """:func:`ablation_rows` as the Markdown table the READMEs show: each cell is this
+  study's test accuracy (%, mean ± std over the reported seeds), paper 1's in brackets,
+  "—" where either has no run, and alone where neither has."""
+  sizes = [k[1:] for k in table[0] if k.startswith("B") and not k.endswith("_paper1")]
+  lines = ["| | " + " | ".join(f"B = {b}" for b in sizes) + " |",
+           "|---" * (len(sizes) + 1) + "|"]
+  for row in table:
+    cells = [f"{row[f'B{b}'] or '—'} ({row[f'B{b}_paper1'] or '—'})"
+             if row[f"B{b}"] or row[f"B{b}_paper1"] else "—" for b in sizes]
+    lines.append(f"| {PAPER1_NAMES[row['optimizer']]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def _percent(mean: float, std: float) -> str:
   return f"{100 * mean:.1f} ± {100 * np.nan_to_num(std):.1f}"
 
@@ -300,7 +318,10 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   _write(out, "paired_gaps.csv", paired_gap_rows(study, rows))
   verdict = decision(study, rows)  # the rule reads the fixed-epoch ("main") arms only
   _write(out, "decision.csv", [] if verdict is None else [verdict])
-  _write(out, "ablation.csv", ablation_rows(summary))
+  ablation = ablation_rows(summary)
+  _write(out, "ablation.csv", ablation)
+  with open(os.path.join(out, "ablation.md"), "w") as f:
+    f.write(ablation_markdown(ablation))
   plot(study, summary, os.path.join(out, "accuracy_vs_batch.png"))
   report = threshold_report(study, rows, out, data_dir)
   if report:

@@ -24,6 +24,7 @@ from experiments.study import (
 )
 from experiments.study_configs import STUDIES
 from experiments.study_report import (
+    ablation_markdown,
     ablation_rows,
     arm_summary,
     decision,
@@ -272,6 +273,14 @@ def test_paper1_ablation_study_is_designed_as_its_readme_says():
   assert [r["optimizer"] for r in table][:6] == [
       "dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon", "dp_doppler_muon"]
   assert table[5]["B4096_paper1"] == "50.3 ± 1.0"
+  summary = [{"optimizer": "dp_muon", "batch_size": 4096, "label": "main", "clipping": "flat",
+              "seeds": "42 43 44", "test_accuracy_mean": 0.539, "test_accuracy_std": 0.0022}]
+  markdown = ablation_markdown(ablation_rows(summary)).splitlines()
+  assert markdown[0] == "| | B = 256 | B = 1024 | B = 2048 | B = 4096 |"
+  assert markdown[2 + 3] == ("| DP-Muon | — (39.0 ± 0.5) | — (43.3 ± 1.6) | — (47.3 ± 1.8) "
+                             "| 53.9 ± 0.2 (48.7 ± 0.6) |")
+  assert len(markdown) == 2 + len(table)
+  assert markdown[2 + 1].split(" | ")[3] == "—"  # DiSK-SGD at B = 2048: neither has a run
 
 
 def test_a_runs_file_keeps_its_header_when_a_column_is_added(tmp_path):
