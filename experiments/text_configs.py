@@ -314,7 +314,7 @@ _add(
     # the rate that the 100-release pilots chose, and that arm was already ahead at its own
     # release 400. Does DP-Muon at half the rate close the equal-compute gap over 400
     # releases, and does inner momentum (K = 1) gain at that rate? One seed, paired with the
-    # study's seed 37 (same samples), so it describes and decides nothing.
+    # study's seed 37 (same samples): it describes; it decides nothing.
     dataclasses.replace(
         TEXT_EXPERIMENTS["e2e_public_slice"], name="e2e_public_slice_half_rate",
         table="exploratory follow-up of e2e_public_slice: every arm at half the rate",
