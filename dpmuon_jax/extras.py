@@ -10,7 +10,8 @@ logs with ``tensorboard``. Each optional import sits in a :func:`requires` block
 
 which turns the ``ImportError`` into a :class:`MissingExtraError` such as
 "The GPT-2 tokenizer needs tiktoken: pip install 'dpmuon-jax[text]'." The
-command line prints that one line (exit status 2).
+command line prints that one line (exit status 2). Every plot draws with
+:func:`pyplot`.
 """
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ def requires(extra: str, purpose: str) -> Iterator[None]:
     raise MissingExtraError(
         f"{purpose} needs {package}: pip install 'dpmuon-jax[{extra}]'.", name=error.name
     ) from error
+
+
+def pyplot(purpose: str):
+  """``matplotlib.pyplot`` on the file-only Agg backend, for ``purpose`` (the ``train`` extra)."""
+  with requires("train", purpose):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  return plt

@@ -37,6 +37,7 @@ import os
 
 import numpy as np
 
+from dpmuon_jax.extras import pyplot
 from dpmuon_jax.training.export import load_exported
 from dpmuon_jax.training.records import write_csv
 from experiments.study import (
@@ -338,11 +339,7 @@ def _write(out: str, name: str, table: list[dict]) -> None:
 
 
 def plot(study: Study, summary: list[dict], path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot("accuracy_vs_batch.png")
   fixed = _fixed_releases(study)
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, optimizer in enumerate(sorted({s["optimizer"] for s in summary})):

@@ -39,6 +39,7 @@ import numpy as np
 
 from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.data.loaders import load_dataset
+from dpmuon_jax.extras import pyplot
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.trainer import TrainConfig, train
 from experiments.configs import EXPERIMENTS, Experiment
@@ -219,11 +220,7 @@ def write_layer_report(exp: Experiment, data: ImageDataset, path: str) -> None:
 
 
 def _plot(path: str, summary: list[dict], exp: Experiment) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot("accuracy_vs_batch.png")
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
   for optimizer in sorted({r["optimizer"] for r in summary}):
     rows = [r for r in summary if r["optimizer"] == optimizer]

@@ -75,7 +75,7 @@ import statistics
 import time
 
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
-from dpmuon_jax.extras import MissingExtraError
+from dpmuon_jax.extras import MissingExtraError, pyplot
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.privacy.disk_query import single_point
 from dpmuon_jax.text.data import encode_pairs
@@ -839,11 +839,7 @@ def _plot_metric(exp: TextExperiment) -> str:
 
 
 def _plot(path: str, summary: list[dict], exp: TextExperiment, floor: float | None = None) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot("The study's plots")
   metric = _plot_metric(exp)
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
   labels = list(dict.fromkeys(r["variant"] for r in summary if f"{metric}_mean" in r))
@@ -875,11 +871,7 @@ def _plot(path: str, summary: list[dict], exp: TextExperiment, floor: float | No
 def _plot_curves(path: str, curves: list[dict], exp: TextExperiment,
                  floor: float | None = None) -> None:
   """Validation NLL against releases, mean over seeds, one panel per ε."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot("The study's plots")
   epsilons = sorted({c["target_epsilon"] for c in curves}, reverse=True)
   fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 3.8), squeeze=False)
   for ax, epsilon in zip(axes[0], epsilons):

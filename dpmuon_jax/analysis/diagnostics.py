@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from dpmuon_jax.extras import requires
+from dpmuon_jax.extras import pyplot
 from dpmuon_jax.linalg.scaling import (
   DimensionNumbers,
   dimension_numbers_fn,
@@ -302,10 +302,7 @@ def plot_spectrum(
 
   Needs matplotlib (the ``train`` extra). Returns ``path``.
   """
-  with requires("train", "plot_spectrum"):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+  plt = pyplot("plot_spectrum")
   from dpmuon_jax.transforms.shrinkage import marchenko_pastur_density
 
   x = np.asarray(matrix, np.float64)

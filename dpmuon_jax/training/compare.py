@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 
 from dpmuon_jax.data.images import ImageDataset
-from dpmuon_jax.extras import requires
+from dpmuon_jax.extras import pyplot
 from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.keys import named_seed
 from dpmuon_jax.privacy.tuning import RunPrivacy, composed_epsilon
@@ -89,12 +89,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def plot_accuracy(rows: Sequence[dict], path: str, title: str = "") -> str:
   """Test accuracy against epoch, one line per optimizer (matplotlib, Agg); returns ``path``."""
-  with requires("train", "The comparison plot"):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+  plt = pyplot("The comparison plot")
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
   for r in rows:
     ax.plot(r["epochs"], r["test_accuracy"], marker="o", ms=3, label=r["optimizer"])

@@ -67,7 +67,7 @@ from dpmuon_jax.distributed.sharding import (
     parse_mesh_shape,
     shard_train_state,
 )
-from dpmuon_jax.extras import requires
+from dpmuon_jax.extras import pyplot, requires
 from dpmuon_jax.privacy.accounting import PrivacyLedger
 from dpmuon_jax.privacy.keys import RootKey, root_key
 from dpmuon_jax.privacy.release import PrivateTransformation, noise_stream, with_noise_counter
@@ -107,6 +107,7 @@ from dpmuon_jax.training.tracking import history_tags, tensorboard_writer
 PyTree = Any
 
 RESULTS_NAME = "results.json"
+CURVES = "curves.png"  # the run's plot (with ``plot``)
 _FINISHED = ("completed", "budget")
 # Run-control fields: they change neither the clipped sums nor the trajectory.
 _NOT_FINGERPRINTED = (
@@ -487,7 +488,7 @@ def run_task(task: Task) -> dict:
   """
   config = task.config
   if config.plot and is_primary():
-    _pyplot()  # a missing extra fails here, not after the last release
+    pyplot(CURVES)  # a missing extra fails here, not after the last release
   os.makedirs(config.output_dir, exist_ok=True)
   ckpt_dir = os.path.join(config.output_dir, "checkpoints")
   journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
@@ -758,19 +759,9 @@ def _write_outputs(output_dir: str, results: dict, history: list[dict],
   os.replace(path + ".tmp", path)
 
 
-def _pyplot():
-  """matplotlib's ``pyplot`` on the file-only Agg backend (the ``train`` extra)."""
-  with requires("train", "curves.png"):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  return plt
-
-
 def _plot(output_dir: str, history: list[dict], plotted: Sequence[tuple[str, str]]) -> None:
   """``curves.png``: one panel per ``(column, title)``, against the step."""
-  plt = _pyplot()
+  plt = pyplot(CURVES)
   steps = [h["step"] for h in history]
   fig, axes = plt.subplots(1, len(plotted), figsize=(4 * len(plotted), 3.2))
   for ax, (key, label) in zip(np.atleast_1d(axes), plotted):
@@ -780,5 +771,5 @@ def _plot(output_dir: str, history: list[dict], plotted: Sequence[tuple[str, str
     if key == "epsilon" and any(math.isfinite(h[key]) for h in history):
       ax.set_ylim(bottom=0)
   fig.tight_layout()
-  fig.savefig(os.path.join(output_dir, "curves.png"), dpi=110)
+  fig.savefig(os.path.join(output_dir, CURVES), dpi=110)
   plt.close(fig)
