@@ -340,11 +340,8 @@ def zero_shot_e2e_nll(config: PretrainConfig, out: str, batch_size: int = 64) ->
 
 
 def sha256_file(path: str) -> str:
-  digest = hashlib.sha256()
   with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      digest.update(chunk)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def run(config: PretrainConfig) -> dict:

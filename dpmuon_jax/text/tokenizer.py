@@ -32,7 +32,7 @@ _PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\
 
 def _sha256(path: str) -> str:
   with open(path, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class GPT2Tokenizer:

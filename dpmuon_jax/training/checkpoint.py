@@ -53,7 +53,6 @@ MANIFEST_NAME = "sha256_manifest.json"
 
 _MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^\d+$")
-_CHUNK = 1 << 20
 
 
 class TrainingCheckpoint(NamedTuple):
@@ -107,11 +106,8 @@ def _step_dir(directory: str, step: int) -> str:
 
 
 def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
   with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(_CHUNK), b""):
-      digest.update(chunk)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _step_files(step_dir: str) -> list[str]:
