@@ -17,7 +17,7 @@ import pytest
 
 import dpmuon_jax as dm
 from dpmuon_jax.privacy.keys import claim_noise_stream, named_seed, root_key, stream_key
-from dpmuon_jax.privacy.release import GaussianReleaseState
+from dpmuon_jax.privacy.release import GaussianReleaseState, noise_counter, with_noise_counter
 from dpmuon_jax.training.checkpoint import latest_good_step, restore_metadata
 from dpmuon_jax.training.compare import compare_optimizers
 from dpmuon_jax.training.trainer import TrainConfig, train
@@ -186,3 +186,14 @@ def test_dpmuon_compare_defaults_to_os_entropy():
   from dpmuon_jax.cli import _parser
 
   assert _parser().parse_args(["compare"]).seed is None
+
+
+def test_the_noise_counter_only_moves_forward_and_keeps_its_placement():
+  """A resumption sets the next key index; it may skip keys, never reuse one."""
+  opt = dm.dp_sgd(0.1, l2_clip_norm=1.0, noise_multiplier=1.0, denominator=4.0, key=0)
+  state = jax.device_put(opt.init({"w": jnp.zeros(3)}), jax.devices()[0])  # as restored
+  moved = with_noise_counter(state, 5)
+  assert noise_counter(moved) == 5
+  assert all(leaf.committed for leaf in jax.tree.leaves(moved))
+  with pytest.raises(ValueError, match="only moves forward"):
+    with_noise_counter(moved, 4)
