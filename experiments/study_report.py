@@ -38,6 +38,7 @@ import os
 import numpy as np
 
 from dpmuon_jax.extras import pyplot
+from dpmuon_jax.optimizers import registry
 from dpmuon_jax.training.export import load_exported
 from dpmuon_jax.training.records import write_csv
 from experiments.study import (
@@ -79,9 +80,6 @@ PAPER1_TABLE: dict[tuple[str, int], tuple[float, float]] = {
 }
 PAPER1_ROWS = ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
                "dp_doppler_muon", "dp_muon_s")
-PAPER1_NAMES = {"dp_sgd": "DP-SGD", "dp_disk_sgd": "DiSK-SGD", "dp_doppler_sgd": "DOPPLER-SGD",
-                "dp_muon": "DP-Muon", "dp_disk_muon": "DiSK-Muon",
-                "dp_doppler_muon": "DOPPLER-Muon", "dp_muon_s": "DP-Muon-S"}
 
 
 def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
@@ -298,7 +296,7 @@ def ablation_markdown(table: list[dict]) -> str:
   for row in table:
     cells = [f"{row[f'B{b}'] or '—'} ({row[f'B{b}_paper1'] or '—'})"
              if row[f"B{b}"] or row[f"B{b}_paper1"] else "—" for b in sizes]
-    lines.append(f"| {PAPER1_NAMES[row['optimizer']]} | " + " | ".join(cells) + " |")
+    lines.append(f"| {registry.OPTIMIZERS[row['optimizer']].title} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 

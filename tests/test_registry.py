@@ -79,6 +79,13 @@ def test_no_other_table_of_optimizer_names():
   assert _tables("experiments", mappings_only=True) == []
 
 
+def test_each_entry_names_itself_once_as_the_papers_write_it():
+  titles = {name: registry.OPTIMIZERS[name].title for name in registry.names()}
+  assert titles["dp_sgd"] == "DP-SGD" and titles["dp_muon_s"] == "DP-Muon-S"
+  assert titles["dp_disk_muon"] == "DiSK-Muon" and titles["dp_adam"] == "DP-Adam"
+  assert len(set(titles.values())) == len(titles)
+
+
 def test_the_checker_sees_tables_and_passes_single_names():
   names = {"dp_a", "dp_b"}
   source = ('LR = {"dp_a": 0.3, "dp_b": 0.02}\nGRID = ("dp_a", "dp_b")\n'

@@ -68,7 +68,8 @@ class Entry:
     factory: ``factory(learning_rate, l2_clip_norm, noise_multiplier,
       denominator, key, clipping=..., **kwargs)`` -> PrivateTransformation,
       the signature of every ``dp_*``.
-    summary: one line, for ``dpmuon train --help``.
+    summary: one line, for ``dpmuon train --help``: the optimizer's name as
+      the papers write it, then ``": "`` and what it does (or the name alone).
     query: ``"gradient"``, ``"disk"``, ``"inner_momentum"`` or
       ``"disk_inner_momentum"``: the
       per-example query its release privatises (``optimizer.query``).
@@ -79,6 +80,11 @@ class Entry:
   summary: str
   query: QueryKind = "gradient"
   presets: Mapping[str, Preset] = dataclasses.field(default_factory=dict)
+
+  @property
+  def title(self) -> str:
+    """The optimizer's name as the papers write it (``"DP-Muon-S"``): the summary up to ``":"``."""
+    return self.summary.partition(":")[0]
 
   def __post_init__(self):
     if self.query not in QUERY_KINDS:
@@ -129,7 +135,7 @@ _PAPER2 = {"routing": "paper2", "fallback": Fallback(kind="adamw", learning_rate
 _IM = {"history": 1, "decay": 0.5}
 
 OPTIMIZERS: dict[str, Entry] = {
-    "dp_sgd": Entry(dp_sgd, "DP-SGD with heavy-ball momentum", presets={
+    "dp_sgd": Entry(dp_sgd, "DP-SGD: heavy-ball momentum", presets={
         w: Preset(lr, _MOMENTUM) for w, lr in _DP_SGD.items()}),
     "dp_adam": Entry(dp_adam, "DP-Adam", presets={
         CIFAR10: Preset(1e-3), CIFAR100: Preset(0.01), VIT_SMALL: Preset(3e-4)}),
