@@ -48,6 +48,7 @@ from experiments.study import (
     grid_state,
     initial_model,
     mean_std,
+    read_rows,
     reported_seeds,
     resolved,
     run_dir,
@@ -373,7 +374,7 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
   from dpmuon_jax.analysis.diagnostics import nonprivate_layer_report
 
   with_val, _ = split_data(study, data_dir)
-  report = []
+  report, recorded = [], recorded_end_rows(out)
   lengths = ("main", f"T{_fixed_releases(study)}")
   for arm in study.arms:
     if arm.label not in lengths or arm.optimizer not in ("dp_sgd", "dp_muon"):
@@ -384,10 +385,13 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
     model, loss_fn = initial_model(study, with_val)
     sigma = float(_arm_rows(arm, rows)[0]["noise_multiplier"])
     points = [] if arm.optimizer == "dp_sgd" else [("init", model.params)]
-    # The selection run's parameters, where its folder is still here (runs/ is not committed).
+    # The selection run's parameters, where its folder is still here (runs/ is not committed);
+    # where it is gone, the "end" rows the last report recorded from it stay.
     export = os.path.join(run_dir(out, arm, chosen, selection_seed(study)), "export")
+    kept = [r for r in recorded if r["params_from"] == arm.name]
     if os.path.isdir(export):
       points.append(("end", load_exported(export, like=model.params).params))
+      kept = []
     for when, params in points:
       for r in nonprivate_layer_report(loss_fn, params, _probe(with_val), study.clip, sigma,
                                        float(arm.batch_size), microbatch_size=256):
@@ -398,7 +402,16 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
             "noise_norm": r.noise_norm, "snr": r.snr, "above_threshold": r.above_threshold,
             "threshold_batch_size": r.threshold_batch_size,
         })
+    report += kept
   return report
+
+
+def recorded_end_rows(out: str) -> list[dict]:
+  """The "end" rows of ``out/threshold_report.csv`` as :func:`threshold_report` makes them
+  (``batch_size`` an int, ``above_threshold`` a bool; the rest as written)."""
+  return [{**r, "batch_size": int(r["batch_size"]),
+           "above_threshold": r["above_threshold"] == "True"}
+          for r in read_rows(os.path.join(out, "threshold_report.csv")) if r["params"] == "end"]
 
 
 def _probe(data) -> dict:

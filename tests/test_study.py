@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from dpmuon_jax.training.records import write_csv
 from experiments import study_report
 from experiments.study import (
     Arm,
@@ -245,6 +246,25 @@ def test_the_threshold_report_needs_no_run_folder_for_the_initialisation(tmp_pat
   assert {r["sigma"] for r in report} == {1.0}  # the rows' σ
   (point,) = predictor_rows(study, rows, report)
   assert point["above_at_end"] == "" and point["predicted"] in ("helps", "does not help")
+
+
+def test_the_threshold_report_keeps_the_end_rows_of_a_run_folder_now_gone(tmp_path):
+  """A report rewritten where the selection run's folder is gone (a new checkout) keeps
+  the "end" rows the last report recorded from it, and reads them back as written."""
+  study = dataclasses.replace(_decision_study(sizes=(256,)), dataset="digits", model="mlp",
+                              validation_size=200)
+  rows = _decision_rows(study, {256: (0.0, 0.0, 0.0)})
+  init = study_report.threshold_report(study, rows, str(tmp_path), None)
+  muon = next(a.name for a in study.arms if a.optimizer == "dp_muon")
+  ends = [{**r, "params": "end", "params_from": muon, "above_threshold": i < 1}
+          for i, r in enumerate(init)]
+  write_csv(str(tmp_path / "threshold_report.csv"), init + ends)
+  report = study_report.threshold_report(study, rows, str(tmp_path), None)
+  assert [r for r in report if r["params"] == "end"] == [
+      {k: (v if k in ("batch_size", "above_threshold") else str(v)) for k, v in r.items()}
+      for r in ends]
+  (point,) = predictor_rows(study, rows, report)
+  assert point["above_at_end"] == 1  # "False" read back as False, not as a true string
 
 
 def test_paper1_ablation_study_is_designed_as_its_readme_says():
