@@ -28,6 +28,8 @@ Writes into the study's folder:
   threshold on the mean CLIPPED gradient (the signal the release averages)
   per layer, at initialisation and at the end of the DP-SGD and DP-Muon runs
   (selection seed, chosen rate) of every batch size and training length.
+  The end rows need that run's folder (``runs/`` is not committed); where it
+  is gone, the rows the last report recorded from it are kept.
 """
 
 from __future__ import annotations
