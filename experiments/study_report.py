@@ -390,10 +390,9 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
     # The selection run's parameters, where its folder is still here (runs/ is not committed);
     # where it is gone, the "end" rows the last report recorded from it stay.
     export = os.path.join(run_dir(out, arm, chosen, selection_seed(study)), "export")
-    kept = [r for r in recorded if r["params_from"] == arm.name]
-    if os.path.isdir(export):
+    has_folder = os.path.isdir(export)
+    if has_folder:
       points.append(("end", load_exported(export, like=model.params).params))
-      kept = []
     for when, params in points:
       for r in nonprivate_layer_report(loss_fn, params, _probe(with_val), study.clip, sigma,
                                        float(arm.batch_size), microbatch_size=256):
@@ -404,7 +403,7 @@ def threshold_report(study: Study, rows: list[dict], out: str, data_dir: str | N
             "noise_norm": r.noise_norm, "snr": r.snr, "above_threshold": r.above_threshold,
             "threshold_batch_size": r.threshold_batch_size,
         })
-    report += kept
+    report += [] if has_folder else [r for r in recorded if r["params_from"] == arm.name]
   return report
 
 
