@@ -12,7 +12,7 @@ from flax import nnx
 from dpmuon_jax.models.cnn import SmallCNN, patch_conv, small_cnn
 from dpmuon_jax.models.common import classification_loss
 from dpmuon_jax.privacy.clipping import per_layer_clipping
-from dpmuon_jax.privacy.query import clipped_sum, gradient_query
+from dpmuon_jax.privacy.query import clipped_sum, gradient_query, pad_to_multiple
 from dpmuon_jax.privacy.release import dp_release
 
 B = 16
@@ -94,6 +94,21 @@ def test_chunked_equals_unmasked_reference():
       expected = jax.tree.map(lambda e, v, s=scale: e + s * v, expected, g)
   got = clipped_sum(query, params, batch, MASK, CLIP, microbatch_size=8)
   chex.assert_trees_all_close(got.total, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_padding_rows_are_zero_dummies_never_copies_of_a_real_row():
+  """Like the sampler's padding: a masked-out row of zeros, whatever the last row holds."""
+  _, _, batch = _toy_setup()
+  batch = {**batch, "label": jnp.arange(1, B + 1)}
+  padded, mask = pad_to_multiple(batch, MASK, 5)
+  assert mask.shape == (20,) and not mask[B:].any()
+  np.testing.assert_array_equal(mask[:B], MASK)
+  for name, x in padded.items():
+    assert x.shape == (20,) + batch[name].shape[1:] and x.dtype == batch[name].dtype
+    np.testing.assert_array_equal(x[:B], batch[name])
+    assert not np.any(x[B:])
+  same, same_mask = pad_to_multiple(batch, MASK, 8)  # already a multiple: unchanged
+  assert same is batch and same_mask is MASK
 
 
 @pytest.mark.parametrize("microbatch", [0, -4, True])

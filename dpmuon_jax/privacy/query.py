@@ -531,15 +531,16 @@ def _default_mask(batch_size: int, mask: jax.Array | None) -> jax.Array:
 def pad_to_multiple(batch: PyTree, mask: jax.Array, multiple: int) -> tuple[PyTree, jax.Array]:
   """``batch`` and ``mask`` with padding rows appended up to a multiple of ``multiple`` rows.
 
-  The padding rows repeat the last row (real data shapes and values, so a
-  query evaluates to something finite on them) and are masked out, so they
-  add nothing to a clipped sum: padding changes the cost, never the sum.
+  The padding rows are zeros, like the sampler's padding
+  (:func:`~dpmuon_jax.privacy.sampling.gather`): dummies, never copies of a
+  real example. They are masked out, so they add nothing to a clipped sum:
+  padding changes the cost, never the sum.
   """
   extra = -mask.shape[0] % multiple
   if not extra:
     return batch, mask
   padded = jax.tree.map(
-      lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)]), batch)
+      lambda x: jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)]), batch)
   return padded, jnp.concatenate([mask, jnp.zeros((extra,), jnp.bool_)])
 
 
