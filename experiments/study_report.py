@@ -12,6 +12,9 @@ Writes into the study's folder:
   DP-SGD's, with the unpaired standard error sqrt(s₁²/n₁ + s₂²/n₂);
 * ``paired_gaps.csv``: the same differences paired by seed: each seed's
   d_s, their mean and the paired standard error sd(d)/√n;
+* ``filter_gaps.csv``: paper 1's temporal-filter question, paired the same
+  way: each DiSK or DOPPLER arm minus the optimizer it filters
+  (:data:`FILTERED_FROM`; DiSK-Muon − DP-Muon, not − DP-SGD);
 * ``decision.csv``: the pre-registered rule on DP-Muon − DP-SGD at a fixed
   number of epochs (:func:`decision`), once every batch size has every
   reported seed;
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -83,6 +87,9 @@ PAPER1_TABLE: dict[tuple[str, int], tuple[float, float]] = {
 }
 PAPER1_ROWS = ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
                "dp_doppler_muon", "dp_muon_s")
+# Paper 1's temporal filters, each with the optimizer whose release it filters.
+FILTERED_FROM = {"dp_disk_sgd": "dp_sgd", "dp_doppler_sgd": "dp_sgd",
+                 "dp_disk_muon": "dp_muon", "dp_doppler_muon": "dp_muon"}
 
 
 def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
@@ -173,11 +180,22 @@ def paired_gap_rows(study: Study, rows: list[dict], baseline: str = "dp_sgd") ->
   d_s = test accuracy of the arm's seed s − the baseline's seed s, over the seeds both
   have; ``gap`` = mean d_s, ``paired_standard_error`` = sd(d_s)/√n.
   """
-  base = {(a.batch_size, a.label, a.clipping): a for a in study.arms
-          if a.optimizer == baseline and not a.variant}
+  return _paired_gaps(study, rows, lambda optimizer: baseline)
+
+
+def filter_gap_rows(study: Study, rows: list[dict]) -> list[dict]:
+  """Each temporal-filter arm minus the optimizer it filters (:data:`FILTERED_FROM`), paired
+  by seed as in :func:`paired_gap_rows`: what the filter alone adds at that B."""
+  return _paired_gaps(study, rows, FILTERED_FROM.get)
+
+
+def _paired_gaps(study: Study, rows: list[dict],
+                 baseline_of: Callable[[str], str | None]) -> list[dict]:
+  bases = {(a.optimizer, a.batch_size, a.label, a.clipping): a for a in study.arms
+           if not a.variant}
   out = []
   for arm in study.arms:
-    b = base.get((arm.batch_size, arm.label, arm.clipping))
+    b = bases.get((baseline_of(arm.optimizer), arm.batch_size, arm.label, arm.clipping))
     if b is None or b is arm:
       continue
     diffs = _paired(study, arm, b, rows)
@@ -272,10 +290,14 @@ def predictor_count(study: Study, table: list[dict]) -> list[dict]:
            "hits": hits if complete else "", "misses": len(table) - hits if complete else ""}]
 
 
-def ablation_rows(summary: list[dict]) -> list[dict]:
-  """Paper 1's ablation table (and DP-Muon-S, B = 2048): this study beside paper 1, in %."""
+def ablation_rows(summary: list[dict], seeds: int) -> list[dict]:
+  """Paper 1's ablation table (and DP-Muon-S, B = 2048): this study beside paper 1, in %.
+
+  An arm fills its cell once it has all ``seeds`` reported seeds; until then the cell is
+  empty, so that a partial mean is never read as the arm's result.
+  """
   mine = {(s["optimizer"], s["batch_size"]): s for s in summary
-          if s["label"] == "main" and s["clipping"] == "flat" and s["seeds"]}
+          if s["label"] == "main" and s["clipping"] == "flat" and s["seeds"] >= seeds}
   sizes = sorted({b for _, b in PAPER1_TABLE} | {b for _, b in mine})
   out = []
   for optimizer in PAPER1_ROWS:
@@ -318,9 +340,10 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   if study.selection_seed is None:  # the earlier protocol; paired gaps replace it since
     _write(out, "gaps.csv", gap_rows(summary))
   _write(out, "paired_gaps.csv", paired_gap_rows(study, rows))
+  _write(out, "filter_gaps.csv", filter_gap_rows(study, rows))
   verdict = decision(study, rows)  # the rule reads the fixed-epoch ("main") arms only
   _write(out, "decision.csv", [] if verdict is None else [verdict])
-  ablation = ablation_rows(summary)
+  ablation = ablation_rows(summary, len(reported_seeds(study)))
   _write(out, "ablation.csv", ablation)
   with open(os.path.join(out, "ablation.md"), "w") as f:
     f.write(ablation_markdown(ablation))
@@ -340,8 +363,9 @@ def _write(out: str, name: str, table: list[dict]) -> None:
 
 
 def plot(study: Study, summary: list[dict], path: str) -> None:
+  """Test accuracy against B per optimizer, each arm once it has all its reported seeds."""
   plt = pyplot("accuracy_vs_batch.png")
-  fixed = _fixed_releases(study)
+  fixed, seeds = _fixed_releases(study), len(reported_seeds(study))
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, optimizer in enumerate(sorted({s["optimizer"] for s in summary})):
     for label, style in (("main", "-"), (f"T{fixed}", "--")):
@@ -349,7 +373,7 @@ def plot(study: Study, summary: list[dict], path: str) -> None:
       pts = sorted((s["batch_size"], s) for s in summary if s["optimizer"] == optimizer
                    and (s["label"] == label or (label != "main" and s["label"] == "main"
                                                 and str(s["releases"]) == str(fixed)))
-                   and s["clipping"] == "flat" and s["seeds"])
+                   and s["clipping"] == "flat" and s["seeds"] >= seeds)
       if not any(s["label"] == label for _, s in pts):
         continue
       ax.errorbar([b for b, _ in pts], [100 * s["test_accuracy_mean"] for _, s in pts],

@@ -29,6 +29,7 @@ from experiments.study_report import (
     ablation_rows,
     arm_summary,
     decision,
+    filter_gap_rows,
     noise_variance_gain,
     paired_gap_rows,
     predictor_count,
@@ -199,6 +200,20 @@ def test_decision_rule_holds_only_for_a_rising_one_signed_gap_beyond_3_se():
       np.std(rising[4096], ddof=1) / np.sqrt(3))
 
 
+def test_a_filter_is_paired_with_the_optimizer_it_filters_not_with_dp_sgd():
+  """DiSK-Muon − DP-Muon per seed (the ablation's question), not DiSK-Muon − DP-SGD; arms
+  that filter nothing have no row."""
+  study = _decision_study(sizes=(256,))
+  disk = Arm("dp_disk_muon", 256, 0.1, epochs=1.0, fallback_lr_from="dp_sgd_B256")
+  study = dataclasses.replace(study, arms=study.arms + (disk,))
+  d = (0.01, 0.04, 0.02)  # DP-Muon's lead over DP-SGD and DiSK-Muon (level with DP-SGD)
+  (row,) = filter_gap_rows(study, _decision_rows(study, {256: d}))
+  assert (row["arm"], row["baseline"]) == ("dp_disk_muon_B256", "dp_muon_B256")
+  assert row["gap"] == pytest.approx(-np.mean(d))
+  assert row["paired_standard_error"] == pytest.approx(np.std(d, ddof=1) / np.sqrt(3))
+  assert row["per_seed"] == "2:-0.0100 3:-0.0400 4:-0.0200"
+
+
 def test_report_decides_on_the_fixed_epoch_arms_only_and_pairs_every_gap(tmp_path, monkeypatch):
   """decision.csv holds the pre-registered (fixed-epoch, "main") verdict alone; the
   66-release arms are reported as paired gaps; no unpaired gaps.csv."""
@@ -289,18 +304,21 @@ def test_paper1_ablation_study_is_designed_as_its_readme_says():
   first = [a for a in study.arms if a.priority == 0]
   assert {(a.optimizer, a.batch_size) for a in first} == {
       (o, b) for o in ("dp_sgd", "dp_muon") for b in (256, 1024, 2048, 4096)}
-  table = ablation_rows([])
+  table = ablation_rows([], seeds=3)
   assert [r["optimizer"] for r in table][:6] == [
       "dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon", "dp_doppler_muon"]
   assert table[5]["B4096_paper1"] == "50.3 ± 1.0"
   summary = [{"optimizer": "dp_muon", "batch_size": 4096, "label": "main", "clipping": "flat",
-              "seeds": "42 43 44", "test_accuracy_mean": 0.539, "test_accuracy_std": 0.0022}]
-  markdown = ablation_markdown(ablation_rows(summary)).splitlines()
+              "seeds": 3, "test_accuracy_mean": 0.539, "test_accuracy_std": 0.0022},
+             {"optimizer": "dp_disk_sgd", "batch_size": 256, "label": "main", "clipping": "flat",
+              "seeds": 1, "test_accuracy_mean": 0.544, "test_accuracy_std": math.nan}]
+  markdown = ablation_markdown(ablation_rows(summary, seeds=3)).splitlines()
   assert markdown[0] == "| | B = 256 | B = 1024 | B = 2048 | B = 4096 |"
   assert markdown[2 + 3] == ("| DP-Muon | — (39.0 ± 0.5) | — (43.3 ± 1.6) | — (47.3 ± 1.8) "
                              "| 53.9 ± 0.2 (48.7 ± 0.6) |")
   assert len(markdown) == 2 + len(table)
   assert markdown[2 + 1].split(" | ")[3] == "—"  # DiSK-SGD at B = 2048: neither has a run
+  assert markdown[2 + 1].split(" | ")[1] == "— (49.0 ± 2.8)"  # one seed of three: not shown
 
 
 def test_a_runs_file_keeps_its_header_when_a_column_is_added(tmp_path):
