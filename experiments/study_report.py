@@ -13,8 +13,8 @@ Writes into the study's folder:
 * ``paired_gaps.csv``: the same differences paired by seed: each seed's
   d_s, their mean and the paired standard error sd(d)/√n;
 * ``filter_gaps.csv``: paper 1's temporal-filter question, paired the same
-  way: each DiSK or DOPPLER arm minus the optimizer it filters
-  (:data:`FILTERED_FROM`; DiSK-Muon − DP-Muon, not − DP-SGD);
+  way: each DiSK or DOPPLER arm minus the optimizer it filters (the
+  registry's ``Entry.filters``; DiSK-Muon − DP-Muon, not − DP-SGD);
 * ``decision.csv``: the pre-registered rule on DP-Muon − DP-SGD at a fixed
   number of epochs (:func:`decision`), once every batch size has every
   reported seed;
@@ -87,9 +87,6 @@ PAPER1_TABLE: dict[tuple[str, int], tuple[float, float]] = {
 }
 PAPER1_ROWS = ("dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon",
                "dp_doppler_muon", "dp_muon_s")
-# Paper 1's temporal filters, each with the optimizer whose release it filters.
-FILTERED_FROM = {"dp_disk_sgd": "dp_sgd", "dp_doppler_sgd": "dp_sgd",
-                 "dp_disk_muon": "dp_muon", "dp_doppler_muon": "dp_muon"}
 
 
 def _arm_rows(arm: Arm, rows: list[dict]) -> list[dict]:
@@ -184,13 +181,13 @@ def paired_gap_rows(study: Study, rows: list[dict], baseline: str = "dp_sgd") ->
 
 
 def filter_gap_rows(study: Study, rows: list[dict]) -> list[dict]:
-  """Each temporal-filter arm minus the optimizer it filters (:data:`FILTERED_FROM`), paired
-  by seed as in :func:`paired_gap_rows`: what the filter alone adds at that B."""
-  return _paired_gaps(study, rows, FILTERED_FROM.get)
+  """Each temporal-filter arm minus the optimizer it filters (the registry's ``filters``),
+  paired by seed as in :func:`paired_gap_rows`: what the filter alone adds at that B."""
+  return _paired_gaps(study, rows, lambda optimizer: registry.OPTIMIZERS[optimizer].filters)
 
 
 def _paired_gaps(study: Study, rows: list[dict],
-                 baseline_of: Callable[[str], str | None]) -> list[dict]:
+                 baseline_of: Callable[[str], str]) -> list[dict]:
   bases = {(a.optimizer, a.batch_size, a.label, a.clipping): a for a in study.arms
            if not a.variant}
   out = []

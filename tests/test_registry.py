@@ -86,6 +86,16 @@ def test_each_entry_names_itself_once_as_the_papers_write_it():
   assert len(set(titles.values())) == len(titles)
 
 
+def test_each_temporal_filter_names_the_registered_optimizer_it_smooths():
+  """Paper 1's ablation pairs DiSK / DOPPLER with the optimizer they filter; a filter of a
+  filter, or of a name the registry lacks, would pair the ablation's rows wrongly."""
+  filters = {name: e.filters for name, e in registry.OPTIMIZERS.items() if e.filters}
+  assert filters == {"dp_disk_sgd": "dp_sgd", "dp_doppler_sgd": "dp_sgd",
+                     "dp_disk_muon": "dp_muon", "dp_doppler_muon": "dp_muon",
+                     "dp_disk_muon_im": "dp_muon_im"}
+  assert all(not registry.OPTIMIZERS[base].filters for base in filters.values())
+
+
 def test_the_checker_sees_tables_and_passes_single_names():
   names = {"dp_a", "dp_b"}
   source = ('LR = {"dp_a": 0.3, "dp_b": 0.02}\nGRID = ("dp_a", "dp_b")\n'

@@ -74,12 +74,16 @@ class Entry:
       ``"disk_inner_momentum"``: the
       per-example query its release privatises (``optimizer.query``).
     presets: workload name -> :class:`Preset`.
+    filters: for a temporal filter (DiSK, DOPPLER), the registered optimizer
+      whose release it smooths, its baseline in the papers' ablations
+      (DiSK-Muon filters DP-Muon, KF + IM DP-Muon-IM); ``""`` otherwise.
   """
 
   factory: Callable[..., PrivateTransformation]
   summary: str
   query: QueryKind = "gradient"
   presets: Mapping[str, Preset] = dataclasses.field(default_factory=dict)
+  filters: str = ""
 
   @property
   def title(self) -> str:
@@ -154,18 +158,18 @@ OPTIMIZERS: dict[str, Entry] = {
     # 31.8 / 38.2 / 35.1 % at 0.3 / 1 / 3; DP-SGD's preset 35.7 %).
     "dp_disk_sgd": Entry(
         dp_disk_sgd, "DiSK-SGD: Kalman κ=1.5, γ=−1 (paper 1; γ from the DiSK code), SGD-scale η",
-        "disk", {CIFAR10: Preset(1.0, _DISK)}),
+        "disk", {CIFAR10: Preset(1.0, _DISK)}, filters="dp_sgd"),
     "dp_doppler_sgd": Entry(
         dp_doppler_sgd, "DOPPLER-SGD: bias-corrected EMA(0.9) low-pass (paper 1)",
-        presets={CIFAR10: Preset(_DOPPLER_SGD)}),
+        presets={CIFAR10: Preset(_DOPPLER_SGD)}, filters="dp_sgd"),
     "dp_disk_muon": Entry(
         dp_disk_muon,
         "DiSK-Muon: Kalman filter feeding DP-Muon (paper 1; lr not printed, DP-Muon's)",
         "disk", {CIFAR10: Preset(0.02, {**_DISK, **_fallback(CIFAR10)}),
-                 GPT2: Preset(0.002, _PAPER2)}),
+                 GPT2: Preset(0.002, _PAPER2)}, filters="dp_muon"),
     "dp_doppler_muon": Entry(
         dp_doppler_muon, "DOPPLER-Muon: EMA(0.9) replacing Muon's momentum, NS₅ (paper 1)",
-        presets={CIFAR10: Preset(0.02, _DOPPLER_FALLBACK)}),
+        presets={CIFAR10: Preset(0.02, _DOPPLER_FALLBACK)}, filters="dp_muon"),
     "dp_muon_im": Entry(
         dp_muon_im, "DP-Muon-IM: inner-momentum query over K past states (paper 2)",
         "inner_momentum", {CIFAR10: Preset(0.02, {**_IM, **_fallback(CIFAR10)}),
@@ -173,7 +177,8 @@ OPTIMIZERS: dict[str, Entry] = {
     "dp_disk_muon_im": Entry(
         dp_disk_muon_im, "KF + IM: DiSK's query inside inner momentum, then DiSK-Muon (paper 2 "
         "ablation; κ = 0.5, γ = 0.8)", "disk_inner_momentum",
-        {CIFAR10: Preset(0.02, {**_IM, **_fallback(CIFAR10)}), GPT2: Preset(0.002, _PAPER2)}),
+        {CIFAR10: Preset(0.02, {**_IM, **_fallback(CIFAR10)}), GPT2: Preset(0.002, _PAPER2)},
+        filters="dp_muon_im"),
     "dp_muon_bc": Entry(
         dp_muon_bc,
         "DP-Muon-BC: heavy-ball DP-Muon, noise-bias-corrected Newton–Schulz (our estimator)",
