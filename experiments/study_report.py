@@ -24,7 +24,8 @@ Writes into the study's folder:
   reported seed (:func:`predictor_count`);
 * ``ablation.csv``: paper 1's ablation table laid out as the paper's, this
   study's test accuracy beside paper 1's (:data:`PAPER1_TABLE`), and
-  ``ablation.md``, the same as a Markdown table for the READMEs;
+  ``ablation.md``, the same as a Markdown table for the READMEs, and
+  ``filter_gaps.md``, ``filter_gaps.csv``'s fixed-epoch rows as one;
 * ``accuracy_vs_batch.png``: test accuracy against B per optimizer, error
   bars = std over seeds (solid: fixed epochs; dashed: fixed releases);
 * ``threshold_report.csv``: NON-PRIVATE analysis of paper 1's recovery
@@ -287,14 +288,19 @@ def predictor_count(study: Study, table: list[dict]) -> list[dict]:
            "hits": hits if complete else "", "misses": len(table) - hits if complete else ""}]
 
 
-def ablation_rows(summary: list[dict], seeds: int) -> list[dict]:
+def complete_arms(study: Study, summary: list[dict]) -> list[dict]:
+  """The arms of ``summary`` with every reported seed: the only ones the table and plot
+  show, so that a partial mean is never read as the arm's result."""
+  return [s for s in summary if s["seeds"] >= len(reported_seeds(study))]
+
+
+def ablation_rows(summary: list[dict]) -> list[dict]:
   """Paper 1's ablation table (and DP-Muon-S, B = 2048): this study beside paper 1, in %.
 
-  An arm fills its cell once it has all ``seeds`` reported seeds; until then the cell is
-  empty, so that a partial mean is never read as the arm's result.
+  Pass :func:`complete_arms`: every fixed-epoch, flat-clipping arm given fills its cell.
   """
   mine = {(s["optimizer"], s["batch_size"]): s for s in summary
-          if s["label"] == "main" and s["clipping"] == "flat" and s["seeds"] >= seeds}
+          if s["label"] == "main" and s["clipping"] == "flat"}
   sizes = sorted({b for _, b in PAPER1_TABLE} | {b for _, b in mine})
   out = []
   for optimizer in PAPER1_ROWS:
@@ -322,6 +328,40 @@ def ablation_markdown(table: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def filter_gaps_markdown(study: Study, table: list[dict]) -> str:
+  """:func:`filter_gap_rows`' fixed-epoch rows as the Markdown table the READMEs show:
+  a column per filter ("DiSK-Muon − DP-Muon"), a row per B, each cell the paired gap
+  in points, mean ± paired SE, then each reported seed's; "—" until both arms have
+  every reported seed."""
+  seeds, arms = len(reported_seeds(study)), {a.name: a for a in study.arms}
+  # A DiSK arm's row is its selected κ variant's: the others run no reported seed.
+  main = {(arms[r["arm"]].optimizer, r["batch_size"]): r for r in table
+          if r["label"] == "main" and r["seeds"] == seeds}
+  filters = {a.optimizer for a in study.arms if registry.OPTIMIZERS[a.optimizer].filters}
+  columns = [name for name in registry.OPTIMIZERS if name in filters]  # registry order
+  sizes = sorted({a.batch_size for a in study.arms if a.optimizer in filters
+                  and a.label == "main"})
+  titles = [f"{registry.OPTIMIZERS[o].title} − "
+            f"{registry.OPTIMIZERS[registry.OPTIMIZERS[o].filters].title}" for o in columns]
+  lines = ["| B | " + " | ".join(titles) + " |", "|---" * (len(columns) + 1) + "|"]
+  for b in sizes:
+    lines.append(f"| {b} | " + " | ".join(_gap_cell(main.get((o, b))) for o in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _gap_cell(row: dict | None) -> str:
+  if row is None:
+    return "—"
+  per_seed = " / ".join(_points(float(d.split(":")[1])) for d in row["per_seed"].split())
+  return (f"{_points(row['gap'])} ± {100 * row['paired_standard_error']:.2f} "
+          f"({per_seed})")
+
+
+def _points(gap: float) -> str:
+  """A gap in percentage points, signed, with the typographic minus the READMEs use."""
+  return f"{100 * gap:+.2f}".replace("-", "−")
+
+
 def _percent(mean: float, std: float) -> str:
   return f"{100 * mean:.1f} ± {100 * np.nan_to_num(std):.1f}"
 
@@ -337,14 +377,19 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   if study.selection_seed is None:  # the earlier protocol; paired gaps replace it since
     _write(out, "gaps.csv", gap_rows(summary))
   _write(out, "paired_gaps.csv", paired_gap_rows(study, rows))
-  _write(out, "filter_gaps.csv", filter_gap_rows(study, rows))
+  filter_gaps = filter_gap_rows(study, rows)
+  _write(out, "filter_gaps.csv", filter_gaps)
   verdict = decision(study, rows)  # the rule reads the fixed-epoch ("main") arms only
   _write(out, "decision.csv", [] if verdict is None else [verdict])
-  ablation = ablation_rows(summary, len(reported_seeds(study)))
+  complete = complete_arms(study, summary)
+  ablation = ablation_rows(complete)
   _write(out, "ablation.csv", ablation)
   with open(os.path.join(out, "ablation.md"), "w") as f:
     f.write(ablation_markdown(ablation))
-  plot(study, summary, os.path.join(out, "accuracy_vs_batch.png"))
+  if filter_gaps:
+    with open(os.path.join(out, "filter_gaps.md"), "w") as f:
+      f.write(filter_gaps_markdown(study, filter_gaps))
+  plot(study, complete, os.path.join(out, "accuracy_vs_batch.png"))
   report = threshold_report(study, rows, out, data_dir)
   if report:
     write_csv(os.path.join(out, "threshold_report.csv"), report, tuple(report[0]))
@@ -360,9 +405,9 @@ def _write(out: str, name: str, table: list[dict]) -> None:
 
 
 def plot(study: Study, summary: list[dict], path: str) -> None:
-  """Test accuracy against B per optimizer, each arm once it has all its reported seeds."""
+  """Test accuracy against B per optimizer; pass :func:`complete_arms`."""
   plt = pyplot("accuracy_vs_batch.png")
-  fixed, seeds = _fixed_releases(study), len(reported_seeds(study))
+  fixed = _fixed_releases(study)
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, optimizer in enumerate(sorted({s["optimizer"] for s in summary})):
     for label, style in (("main", "-"), (f"T{fixed}", "--")):
@@ -370,7 +415,7 @@ def plot(study: Study, summary: list[dict], path: str) -> None:
       pts = sorted((s["batch_size"], s) for s in summary if s["optimizer"] == optimizer
                    and (s["label"] == label or (label != "main" and s["label"] == "main"
                                                 and str(s["releases"]) == str(fixed)))
-                   and s["clipping"] == "flat" and s["seeds"] >= seeds)
+                   and s["clipping"] == "flat")
       if not any(s["label"] == label for _, s in pts):
         continue
       ax.errorbar([b for b, _ in pts], [100 * s["test_accuracy_mean"] for _, s in pts],

@@ -28,8 +28,10 @@ from experiments.study_report import (
     ablation_markdown,
     ablation_rows,
     arm_summary,
+    complete_arms,
     decision,
     filter_gap_rows,
+    filter_gaps_markdown,
     noise_variance_gain,
     paired_gap_rows,
     predictor_count,
@@ -204,14 +206,19 @@ def test_a_filter_is_paired_with_the_optimizer_it_filters_not_with_dp_sgd():
   """DiSK-Muon − DP-Muon per seed (the ablation's question), not DiSK-Muon − DP-SGD; arms
   that filter nothing have no row."""
   study = _decision_study(sizes=(256,))
-  disk = Arm("dp_disk_muon", 256, 0.1, epochs=1.0, fallback_lr_from="dp_sgd_B256")
+  disk = Arm("dp_disk_muon", 256, 0.1, epochs=1.0, fallback_lr_from="dp_sgd_B256",
+             options=(("kappa", 0.7),), variant="k0.7")  # a chosen κ, as in the study
   study = dataclasses.replace(study, arms=study.arms + (disk,))
   d = (0.01, 0.04, 0.02)  # DP-Muon's lead over DP-SGD and DiSK-Muon (level with DP-SGD)
   (row,) = filter_gap_rows(study, _decision_rows(study, {256: d}))
-  assert (row["arm"], row["baseline"]) == ("dp_disk_muon_B256", "dp_muon_B256")
+  assert (row["arm"], row["baseline"]) == ("dp_disk_muon_B256_k0.7", "dp_muon_B256")
   assert row["gap"] == pytest.approx(-np.mean(d))
   assert row["paired_standard_error"] == pytest.approx(np.std(d, ddof=1) / np.sqrt(3))
   assert row["per_seed"] == "2:-0.0100 3:-0.0400 4:-0.0200"
+  (header, _, line) = filter_gaps_markdown(study, [row]).splitlines()
+  assert header == "| B | DiSK-Muon − DP-Muon |"
+  assert line == "| 256 | −2.33 ± 0.88 (−1.00 / −4.00 / −2.00) |"
+  assert filter_gaps_markdown(study, [dict(row, seeds=2)]).splitlines()[2] == "| 256 | — |"
 
 
 def test_report_decides_on_the_fixed_epoch_arms_only_and_pairs_every_gap(tmp_path, monkeypatch):
@@ -304,7 +311,7 @@ def test_paper1_ablation_study_is_designed_as_its_readme_says():
   first = [a for a in study.arms if a.priority == 0]
   assert {(a.optimizer, a.batch_size) for a in first} == {
       (o, b) for o in ("dp_sgd", "dp_muon") for b in (256, 1024, 2048, 4096)}
-  table = ablation_rows([], seeds=3)
+  table = ablation_rows([])
   assert [r["optimizer"] for r in table][:6] == [
       "dp_sgd", "dp_disk_sgd", "dp_doppler_sgd", "dp_muon", "dp_disk_muon", "dp_doppler_muon"]
   assert table[5]["B4096_paper1"] == "50.3 ± 1.0"
@@ -312,7 +319,7 @@ def test_paper1_ablation_study_is_designed_as_its_readme_says():
               "seeds": 3, "test_accuracy_mean": 0.539, "test_accuracy_std": 0.0022},
              {"optimizer": "dp_disk_sgd", "batch_size": 256, "label": "main", "clipping": "flat",
               "seeds": 1, "test_accuracy_mean": 0.544, "test_accuracy_std": math.nan}]
-  markdown = ablation_markdown(ablation_rows(summary, seeds=3)).splitlines()
+  markdown = ablation_markdown(ablation_rows(complete_arms(study, summary))).splitlines()
   assert markdown[0] == "| | B = 256 | B = 1024 | B = 2048 | B = 4096 |"
   assert markdown[2 + 3] == ("| DP-Muon | — (39.0 ± 0.5) | — (43.3 ± 1.6) | — (47.3 ± 1.8) "
                              "| 53.9 ± 0.2 (48.7 ± 0.6) |")
