@@ -291,7 +291,12 @@ def predictor_count(study: Study, table: list[dict]) -> list[dict]:
 def complete_arms(study: Study, summary: list[dict]) -> list[dict]:
   """The arms of ``summary`` with every reported seed: the only ones the table and plot
   show, so that a partial mean is never read as the arm's result."""
-  return [s for s in summary if s["seeds"] >= len(reported_seeds(study))]
+  return [s for s in summary if _has_every_seed(study, s)]
+
+
+def _has_every_seed(study: Study, row: dict) -> bool:
+  """Whether a summary or gap row covers all of the study's reported seeds."""
+  return row["seeds"] >= len(reported_seeds(study))
 
 
 def ablation_rows(summary: list[dict]) -> list[dict]:
@@ -333,10 +338,10 @@ def filter_gaps_markdown(study: Study, table: list[dict]) -> str:
   a column per filter ("DiSK-Muon − DP-Muon"), a row per B, each cell the paired gap
   in points, mean ± paired SE, then each reported seed's; "—" until both arms have
   every reported seed."""
-  seeds, arms = len(reported_seeds(study)), {a.name: a for a in study.arms}
+  arms = {a.name: a for a in study.arms}
   # A DiSK arm's row is its selected κ variant's: the others run no reported seed.
   main = {(arms[r["arm"]].optimizer, r["batch_size"]): r for r in table
-          if r["label"] == "main" and r["seeds"] == seeds}
+          if r["label"] == "main" and _has_every_seed(study, r)}
   filters = {a.optimizer for a in study.arms if registry.OPTIMIZERS[a.optimizer].filters}
   columns = [name for name in registry.OPTIMIZERS if name in filters]  # registry order
   sizes = sorted({a.batch_size for a in study.arms if a.optimizer in filters
