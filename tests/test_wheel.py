@@ -3,11 +3,11 @@ into a fresh virtual environment and run the ``dpmuon`` command from outside the
 
 The environment reuses the dependencies installed for the interpreter running the tests:
 a ``.pth`` file lists the folders of that interpreter's import path, so this works whether it is
-a virtual environment, a conda environment or a system Python (venv's system-site-packages
-option would expose the *base* interpreter's packages, not a virtual environment's). The
-environment gets its own copy of ``dpmuon_jax`` from the wheel (``--no-deps
---force-reinstall``); the test checks that this copy, not the checkout nor an editable
-install, is the one imported.
+a virtual environment (``.venv`` inside the checkout, the usual layout, or anywhere else), a
+conda environment or a system Python (venv's system-site-packages option would expose the
+*base* interpreter's packages, not a virtual environment's). The environment gets its own copy
+of ``dpmuon_jax`` from the wheel (``--no-deps --force-reinstall``); the test checks that this
+copy, not the checkout nor an editable install, is the one imported.
 """
 
 import email
@@ -41,11 +41,33 @@ def _run(args, cwd, timeout=300) -> subprocess.CompletedProcess:
   return result
 
 
-def _import_folders() -> list[str]:
-  """The running interpreter's import path (its site-packages, wherever they are), less the
-  checkout and the current folder."""
-  folders = (pathlib.Path(f).resolve() for f in sys.path if f and os.path.isdir(f))
-  return list(dict.fromkeys(str(f) for f in folders if not f.is_relative_to(ROOT)))
+def _import_folders(path=None, root=ROOT, environments=None) -> list[str]:
+  """The folders of the running interpreter's import path (``sys.path``) that the wheel's
+  environment reuses: its standard library and site-packages, wherever they are.
+
+  Left out: the checkout and its other folders (``tests/``, the current folder), which would
+  shadow the wheel, and an editable install's own folders (``__editable__*``). A folder inside
+  the checkout is kept when it belongs to the running environment (``sys.prefix``, e.g.
+  ``<checkout>/.venv/lib/python3.11/site-packages``). The editable install's hook (its
+  ``__editable__*.pth`` and finder module in site-packages) does not run: the ``.pth`` file
+  the environment gets lists plain folders, and Python runs only the ``.pth`` files of its own
+  site folders.
+  """
+  path = sys.path if path is None else path
+  if environments is None:
+    environments = (sys.prefix, sys.exec_prefix, sys.base_prefix)
+  root = pathlib.Path(root).resolve()
+  # Environments that live inside the checkout (a `.venv` folder), not the checkout itself.
+  inside = [e for e in (pathlib.Path(p).resolve() for p in environments)
+            if e.is_relative_to(root) and e != root]
+  kept = []
+  for folder in (pathlib.Path(f).resolve() for f in path if f and os.path.isdir(f)):
+    if any(part.startswith("__editable__") for part in folder.parts):
+      continue
+    if folder.is_relative_to(root) and not any(folder.is_relative_to(e) for e in inside):
+      continue
+    kept.append(str(folder))
+  return list(dict.fromkeys(kept))
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +126,38 @@ def test_the_sdist_has_the_sources_the_wheel_was_built_from(dist):
     names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
   assert {"pyproject.toml", "README.md", "LICENSE", "dpmuon_jax/py.typed",
           "dpmuon_jax/__init__.py"} <= names
+
+
+def _folders(*paths: pathlib.Path) -> list[str]:
+  for path in paths:
+    path.mkdir(parents=True, exist_ok=True)
+  return [str(path) for path in paths]
+
+
+def test_the_wheel_environment_reuses_a_venv_inside_the_checkout_but_not_the_checkout(tmp_path):
+  """The usual layout (`python3 -m venv .venv` in the clone): the environment's site-packages
+  lie inside the checkout and are kept; the checkout, its tests/ and an editable install's
+  folders are not. Likewise for an environment outside the checkout (CI, conda, a system
+  Python), and for a checkout inside an environment's folder."""
+  root, python = tmp_path / "clone", tmp_path / "python"
+  stdlib, site, tests, editable = _folders(
+      python / "lib" / "python3.11", root / ".venv" / "lib" / "python3.11" / "site-packages",
+      root / "tests", root / "build" / "__editable__.dpmuon_jax-0.1.0-py3-none-any")
+  path = ["", str(root), tests, stdlib, site, editable, str(root / "missing"), site]
+  assert _import_folders(path, root, (root / ".venv", python)) == [stdlib, site]
+
+  conda = tmp_path / "conda"
+  (conda_site,) = _folders(conda / "lib" / "python3.11" / "site-packages")
+  for checkout in (root, conda / "src" / "clone"):
+    (checkout_tests,) = _folders(checkout / "tests")
+    path = [str(checkout), checkout_tests, stdlib, conda_site]
+    assert _import_folders(path, checkout, (conda, python)) == [stdlib, conda_site]
+
+  import jax
+
+  ours = _import_folders()
+  assert str(pathlib.Path(jax.__file__).resolve().parents[1]) in ours
+  assert str(ROOT) not in ours and str(ROOT / "tests") not in ours
 
 
 def test_the_installed_wheel_is_what_runs(venv, tmp_path):
