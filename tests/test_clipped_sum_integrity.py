@@ -156,6 +156,43 @@ def test_a_sum_added_to_a_copy_of_itself_is_refused_eagerly_and_under_jit():
   assert bool(cs.add_disjoint(empty).seal_holds())
 
 
+def _psum_over_lanes(parts: ClippedSum) -> ClippedSum:
+  """ClippedSum.psum over a vmapped axis of parts; the (identical) result of lane 0."""
+  summed = jax.vmap(lambda s: s.psum("lanes"), axis_name="lanes")(parts)
+  return jax.tree.map(lambda x: x[0], summed)
+
+
+def test_psum_of_disjoint_parts_is_the_whole_sum_and_psum_of_copies_is_refused():
+  """k copies of one sum (a batch replicated over devices instead of sharded) would be a
+  sum over k·n examples at sensitivity C: the psum's seal fails instead, eagerly and
+  under jit, while disjoint parts still make the whole batch's releasable sum."""
+  params, batch, mask = _problem(16)
+  query = gradient_query(_loss)
+  whole = clipped_sum(query, params, batch, mask, C)
+  quarters = jax.tree.map(lambda x: x.reshape((4, 4) + x.shape[1:]), (batch, mask))
+  parts = jax.vmap(lambda b, m: clipped_sum(query, params, b, m, C))(*quarters)
+  disjoint = _psum_over_lanes(parts)
+  assert bool(disjoint.seal_holds())
+  assert float(disjoint.stats.num_examples) == 16
+  for got, want in zip(jax.tree.leaves(disjoint.total), jax.tree.leaves(whole.total),
+                       strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  release = _release()
+  release.update(disjoint, release.init(params), params)
+
+  copies = jax.tree.map(lambda x: jnp.stack([x] * 4), whole)
+  for copied in (_psum_over_lanes(copies), jax.jit(_psum_over_lanes)(copies)):
+    assert float(copied.stats.num_examples) == 4 * float(whole.stats.num_examples)
+    assert not bool(copied.seal_holds())
+    release = _release()
+    with pytest.raises(ValueError, match="copies of one sum"):
+      release.update(copied, release.init(params), params)
+  # Empty parts (devices with only padding) beside one real part still add.
+  empty = zeros_clipped_sum(params, C)
+  lone = jax.tree.map(lambda *xs: jnp.stack(xs), whole, empty, empty, empty)
+  assert bool(_psum_over_lanes(lone).seal_holds())
+
+
 def test_add_disjoint_equals_the_sum_of_the_totals_and_is_released():
   params, batch, mask = _problem(16)
   query = gradient_query(_loss)

@@ -104,6 +104,34 @@ _SCRIPT = textwrap.dedent(
       out["examples_one_chunk"] = float(mask.sum())
       out["two_chunks_vs_single"] = float(jnp.max(jnp.abs(with_noise - delta(SIGMA))))
 
+    # A batch replicated over the mesh (in_specs=P()) instead of sharded: eight copies of one
+    # sum, refused; the sharded batch's sum, replicated on the mesh, released eagerly as under
+    # jit.
+    from jax.sharding import PartitionSpec as P
+    from dpmuon_jax.distributed.mesh import DATA_AXIS
+    from dpmuon_jax.privacy.query import clipped_sum, gradient_query
+    from dpmuon_jax.privacy.release import dp_release
+    query, rows = gradient_query(loss_fn), jnp.asarray(chunk.mask)
+    def over_mesh(spec):
+      part = lambda b, m: clipped_sum(query, params, b, m, C).psum(DATA_AXIS)
+      return jax.shard_map(part, mesh=mesh8, in_specs=(spec, spec), out_specs=P(),
+                           check_vma=False)(batch, rows)
+    sharded_sum, replicated_sum = over_mesh(P(DATA_AXIS)), over_mesh(P())
+    out["sharded_sum"] = [float(sharded_sum.stats.num_examples), bool(sharded_sum.seal_holds())]
+    out["replicated_sum"] = [float(replicated_sum.stats.num_examples),
+                             bool(replicated_sum.seal_holds())]
+    release = dp_release(C, SIGMA, D, key=3)
+    state = release.init(params)
+    eager, _ = release.update(sharded_sum, state, params)
+    jitted, _ = jax.jit(release.update)(sharded_sum, state, params)
+    out["eager_release_vs_jit"] = max(float(jnp.max(jnp.abs(eager[k] - jitted[k])))
+                                      for k in params)
+    try:
+      release.update(replicated_sum, release.init(params), params)
+      out["replicated_release"] = "released"
+    except ValueError as e:
+      out["replicated_release"] = str(e)
+
     # No example twice: indices gathered per device shard.
     seen, total = [], 0
     dup_free = True
@@ -176,6 +204,18 @@ def test_overflow_chunks_with_ghost_on_the_mesh_make_one_release(results):
     lo_w, hi_w = std_interval(NOISE_DIM, wrong)
     assert not lo_w <= rms <= hi_w
   assert results["two_chunks_vs_single"] < 1e-5
+
+
+def test_a_batch_replicated_over_the_mesh_is_refused_and_a_sharded_one_released_eagerly(
+    results):
+  """psum over devices that all hold the same rows adds 8 copies of one sum: its seal
+  fails and the release refuses it; the sharded batch's sum (replicated on the mesh after
+  its psum) is released eagerly, as under jit (the same key and sum: the same noise)."""
+  examples = results["examples_one_chunk"]
+  assert results["sharded_sum"] == [examples, True]
+  assert results["replicated_sum"] == [NUM_DEVICES * examples, False]
+  assert "copies of one sum" in results["replicated_release"]
+  assert results["eager_release_vs_jit"] < 1e-6  # one noise draw; float rounding apart
 
 
 def test_no_example_enters_a_step_twice(results):

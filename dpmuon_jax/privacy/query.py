@@ -196,8 +196,10 @@ class ClippedSum:
   seal no longer matches, and the release refuses it. ``s + s`` and
   ``s.add_disjoint(s)`` are refused, and so is the sum of ``s`` with a copy of
   itself (equal seals); sums over DISJOINT example sets are added with
-  :meth:`add_disjoint`. Sums over overlapping but unequal example sets cannot
-  be told apart from disjoint ones: that is the caller's promise.
+  :meth:`add_disjoint`, and per-device sums with :meth:`psum`, which refuses
+  copies of one sum on several devices the same way. Sums over overlapping
+  but unequal example sets cannot be told apart from disjoint ones: that is
+  the caller's promise.
 
   To release a sum clipped by your own code, say so explicitly with
   :meth:`assume_clipped`: you then guarantee the sensitivity yourself.
@@ -324,16 +326,37 @@ class ClippedSum:
     return same & (self.stats.num_examples > 0) & (other.stats.num_examples > 0)
 
   def psum(self, axis_name: str) -> ClippedSum:
-    """Σ over a mapped axis of per-device sums of disjoint rows (max for ``norm_max``)."""
+    """Σ over a mapped axis of per-device sums of DISJOINT rows (max for ``norm_max``).
+
+    What it sees: a part whose seal fails breaks the result's seal, and so do
+    two non-empty parts with equal seals, i.e. copies of one sum (a batch
+    replicated over the axis instead of sharded, ``vmap`` over copies): k
+    copies would otherwise be released as a sum over k·n examples with
+    sensitivity C. What it cannot see: parts over overlapping but unequal
+    example sets (the same example on two devices beside different ones);
+    that the rows are disjoint is the caller's promise, as for
+    :meth:`add_disjoint`. Disjoint parts are refused only if bit-identical
+    (every summed vector equal), as :meth:`add_disjoint` refuses them.
+    """
     s = self.stats
     total = jax.lax.psum(self.total, axis_name)
     summed = jax.lax.psum((s.num_examples, s.num_clipped, s.num_nonfinite, s.norm_sum), axis_name)
     stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))  # pyright: ignore[reportCallIssue]
-    valid = jax.lax.pmin(self.seal_holds().astype(jnp.int32), axis_name) == 1
-    return _sealed(total, self.clipping, stats, valid=valid)
+    intact = jax.lax.pmin(self.seal_holds().astype(jnp.int32), axis_name) == 1
+    seals = jax.lax.all_gather(jnp.asarray(self.seal), axis_name)
+    counts = jax.lax.all_gather(s.num_examples, axis_name)
+    return _sealed(total, self.clipping, stats, valid=intact & ~_has_copies(seals, counts))
 
   def __repr__(self) -> str:
     return f"ClippedSum(clipping={self.clipping.describe()}, total={self.total!r})"
+
+
+def _has_copies(seals: jax.Array, counts: jax.Array) -> jax.Array:
+  """Whether two of the parts (rows of ``seals``, shape (k, 2)) are non-empty with equal seals."""
+  same = jnp.all(seals[:, None, :] == seals[None, :, :], axis=-1)
+  nonempty = counts > 0
+  pairs = same & nonempty[:, None] & nonempty[None, :] & ~jnp.eye(seals.shape[0], dtype=bool)
+  return jnp.any(pairs)
 
 
 def _seal_of(total: PyTree, stats: ClipStats, rule: _Rule) -> jax.Array:

@@ -404,10 +404,24 @@ def dp_release(
       if spec.noise_multiplier > 0 and jax.process_count() == 1:
         assert clipped.seal is not None  # the library seals every sum it makes
         fresh = key_uses.check(state.noise_key, state.count, clipped.seal)
-        released = jax.tree.map(lambda x: jnp.where(fresh, x, jnp.nan), released)
+        released = _nan_unless(fresh, released)
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
   return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
+
+
+def _nan_unless(fresh: jax.Array, released: PyTree) -> PyTree:
+  """``released``, or NaN where the key check failed.
+
+  Eagerly the check's answer is a host value, so it is read as a bool rather
+  than broadcast: a release sharded or replicated over a mesh cannot be mixed
+  with the callback's single-device result in one ``jnp.where``.
+  """
+  try:
+    concrete = bool(fresh)
+  except jax.errors.ConcretizationTypeError:  # traced under jit
+    return jax.tree.map(lambda x: jnp.where(fresh, x, jnp.nan), released)
+  return released if concrete else jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), released)
 
 
 def _release_spec(
@@ -528,9 +542,10 @@ def _sealed_and_bounded(clipped: ClippedSum) -> ClippedSum:
     if not concrete[0]:
       raise ValueError(
           "The ClippedSum was changed after clipping (its seal does not match its total, "
-          "statistics and clipping rule): "
-          "jax.tree.map or tree.unflatten on it cannot make a releasable sum; add sums over "
-          "disjoint examples with a.add_disjoint(b).")
+          "statistics and clipping rule), or it adds copies of one sum (add_disjoint or psum "
+          "over the same examples): jax.tree.map or tree.unflatten on it cannot make a "
+          "releasable sum; add sums over disjoint examples with a.add_disjoint(b) or "
+          "s.psum(axis) over a sharded batch.")
     _refuse_grid_overflow(float(clipped.stats.num_examples), clipped.clipping)
     if not concrete[1]:
       raise ValueError(
