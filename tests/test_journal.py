@@ -20,6 +20,7 @@ import pytest
 from dpmuon_jax.models.registry import model_and_loss
 from dpmuon_jax.privacy.release import noise_counter
 from dpmuon_jax.training import trainer
+from dpmuon_jax.training.export import load_exported
 from dpmuon_jax.training.journal import (
     SEALS_NAME,
     JournalEntry,
@@ -364,6 +365,18 @@ def test_killed_before_its_first_checkpoint_resumes_only_under_the_journaled_set
   settings = _long_run(output_dir, noise_multiplier=0.5, epsilon=200.0, checkpoint_every=10**6)
   made = _kill_after(settings, 3)
   assert not os.path.exists(os.path.join(output_dir, "checkpoints"))
+  assert all(e.seeded for e in read_journal(os.path.join(output_dir, JOURNAL_NAME)))
+  # Resumed WITHOUT its seed (a fresh root from OS entropy): the lost releases came from
+  # seed 3, so they are charged and the run stays seeded, caveat included, in results.json
+  # and in the exported certificate.
+  unseeded = str(tmp_path / "early_unseeded")
+  shutil.copytree(output_dir, unseeded)
+  fresh = train(TrainConfig(**{**settings, "output_dir": unseeded, "seed": None,
+                               "resume": True, "max_steps": 1}), tiny_data)
+  assert fresh["releases"] == len(made) + 1
+  assert fresh["seeded"] and "seed" in fresh["guarantee"]
+  certificate = load_exported(os.path.join(unseeded, "export")).certificate
+  assert certificate["seeded"] and "seed" in certificate["guarantee"]
   # Another σ (calibrated to ε = 2) or another q (batch size) would charge the lost releases
   # at settings they were not made under: refused.
   for changed in (dict(noise_multiplier=None, epsilon=2.0), dict(batch_size=32)):

@@ -54,6 +54,20 @@ def test_optimizers_built_from_one_setup_get_their_own_noise_streams(key):
   assert all(k.tobytes() != sampling.tobytes() for k in keys)
 
 
+def test_copies_of_a_setups_release_kwargs_share_its_root_and_never_its_streams():
+  """copy.deepcopy(setup.release_kwargs) must not duplicate the root's claim counter: the
+  copy's optimizer would claim the stream the original's next optimizer claims."""
+  import copy
+
+  s = _setup()
+  copies = [copy.deepcopy(s.release_kwargs), copy.copy(s.release_kwargs),
+            copy.deepcopy(s.release_kwargs)]
+  assert all(c["key"] is s.release_kwargs["key"] for c in copies)
+  keys = [_noise_key(dm.dp_sgd(0.3, **s.release_kwargs))]
+  keys += [_noise_key(dm.dp_sgd(0.3, **c)) for c in copies]
+  assert len({k.tobytes() for k in keys}) == len(keys)
+
+
 def test_a_seeded_setup_rebuilt_the_same_way_gets_the_same_streams():
   """Claims are counted in program order: a resumed or multi-process run rebuilds them."""
   first = [_noise_key(dm.dp_sgd(0.3, **_setup(7).release_kwargs)) for _ in range(2)]

@@ -463,8 +463,12 @@ class PrivacyLedger:
           + "). Build a new ledger for a new configuration."
       )
 
-  def record(self, sampler: Any, release: Any, count: int = 1) -> None:
+  def record(self, sampler: Any, release: Any, count: int = 1, seeded: bool = False) -> None:
     """Records ``count`` releases made with ``sampler`` and ``release``.
+
+    ``seeded``: the releases came from a user seed even if ``sampler`` and
+    ``release`` do not say so (lost releases of a seeded run, charged after a
+    resume with a fresh root); the ledger then stays seeded.
 
     Raises:
       ValueError: if q, N, σ, C, D or the neighbouring relation read from the
@@ -472,7 +476,7 @@ class PrivacyLedger:
     """
     _check_steps(count)
     self.check(sampler, release)
-    self.seeded = bool(self.seeded or sampler.seeded or _release_spec(release).seeded)
+    self.seeded = bool(self.seeded or seeded or sampler.seeded or _release_spec(release).seeded)
     self.count += int(count)
 
   def epsilon_after(self, extra_steps: int) -> float:

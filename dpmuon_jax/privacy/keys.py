@@ -69,6 +69,14 @@ class RootKey:
     object.__setattr__(self, "key", _as_raw_key(jnp.asarray(self.key)))
     object.__setattr__(self, "seeded", bool(self.seeded))
 
+  def __copy__(self) -> RootKey:
+    """The root itself: a copy with its own claim counter would hand out the same streams."""
+    return self
+
+  def __deepcopy__(self, memo: dict) -> RootKey:
+    """The root itself (``copy.deepcopy(setup.release_kwargs)`` shares the claims)."""
+    return self
+
 
 KeyLike = RootKey | jax.Array | int | None
 

@@ -22,7 +22,11 @@ and the same for both:
   so one Poisson sample and one noise draw for the whole group, each process
   feeding only its devices' rows; process 0 alone writes checkpoints, journal
   and outputs, and every process resumes from the same checkpoint;
-* ``export/`` holds the parameters and their privacy certificate, nothing secret.
+* ``export/`` holds the parameters and their privacy certificate, nothing secret;
+* a run made in a search (``dpmuon tune``) finds the search's record in its
+  folder and keeps it in every checkpoint: its results, history and export
+  state the search's ε (:func:`~dpmuon_jax.training.export.certified`), and a
+  resume without the record is refused.
 
 A task's ``config`` is a dataclass with the run-control fields this module
 reads: ``output_dir``, ``resume``, ``seed``, ``epsilon``, ``delta``, ``max_steps``,
@@ -79,10 +83,17 @@ from dpmuon_jax.training.checkpoint import (
     restore_metadata,
     save_checkpoint,
 )
-from dpmuon_jax.training.export import export_run, guarantee
+from dpmuon_jax.training.export import (
+    certified,
+    certified_epsilon,
+    export_run,
+    guarantee,
+    read_search,
+)
 from dpmuon_jax.training.journal import (
     JOURNAL_NAME,
     JournalEntry,
+    any_seeded,
     append_entry,
     append_seal,
     check_settings,
@@ -292,11 +303,13 @@ def _outputs_written(output_dir: str) -> bool:
 
 
 class _Placed(NamedTuple):
-  """A run with where it runs: its mesh and the release it stops before."""
+  """A run with where it runs: its mesh, the release it stops before and the record of
+  the search it was made in (``None``: none), which its outputs state."""
 
   run: Run
   mesh: Mesh | None
   end: int
+  search: dict | None = None
 
 
 def _train_mesh(config, num_devices: int) -> Mesh | None:
@@ -338,7 +351,16 @@ def _num_devices(config) -> int:
   return num_devices
 
 
-def _build(task: Task, root: RootKey) -> _Placed:
+def _search(output_dir: str, metadata: dict | None) -> dict | None:
+  """The record of the search the run was made in: its folder's, which must be the one its
+  checkpoint holds (:func:`~dpmuon_jax.training.export.read_search`)."""
+  try:
+    return read_search(output_dir, None if metadata is None else metadata.get("search"))
+  except ValueError as error:
+    raise TrainingError(f"Refusing to resume: {error}") from None
+
+
+def _build(task: Task, root: RootKey, search: dict | None) -> _Placed:
   """The task's run on the mesh of ``--mesh`` or ``--devices`` (none for one device)."""
   config = task.config
   mesh = _train_mesh(config, _num_devices(config) if config.mesh is None else 1)
@@ -350,12 +372,14 @@ def _build(task: Task, root: RootKey) -> _Placed:
     raise TrainingError(f"{config.optimizer}: {error}") from None
   _check_layouts(mesh, run.initial_params)
   steps = run.setup.steps
-  return _Placed(run, mesh, steps if config.max_steps is None else min(steps, config.max_steps))
+  return _Placed(run, mesh, steps if config.max_steps is None else min(steps, config.max_steps),
+                 search)
 
 
-def _metadata(task: Task, run: Run, root: RootKey, ledger: PrivacyLedger, key_index: int,
-              stop: str | None, history, data_sha256: str) -> dict:
+def _metadata(task: Task, placed: _Placed, root: RootKey, ledger: PrivacyLedger,
+              key_index: int, stop: str | None, history, data_sha256: str) -> dict:
   """What a checkpoint records besides the arrays (SECRET: holds the root key)."""
+  run = placed.run
   return {
       "privacy_config": task.privacy_config(),
       "data_sha256": data_sha256,
@@ -369,6 +393,7 @@ def _metadata(task: Task, run: Run, root: RootKey, ledger: PrivacyLedger, key_in
       "model": dict(run.model),
       "history": history,
       "config": dataclasses.asdict(task.config),
+      "search": placed.search,
   }
 
 
@@ -432,8 +457,9 @@ def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, roo
       replayable=(metadata is not None or root.seeded) and not run.optimizer.release.secure_noise,
       sealed=seals.keys(),
   )
-  if plan.charge_now:
-    ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now)
+  if plan.charge_now:  # a seeded start's releases keep their caveat under a fresh root
+    ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now,
+                  seeded=any_seeded(lost))
     print(
         f"{plan.charge_now} release(s) made after the last checkpoint cannot be replayed "
         f"exactly: charged to the ledger (ε = {ledger.epsilon():.4f}), fresh noise from here."
@@ -494,10 +520,11 @@ def run_task(task: Task) -> dict:
   journal_path = os.path.join(config.output_dir, JOURNAL_NAME)
   data_sha256 = data_digest(task.data_arrays())
   resume_step, metadata = _resume_point(task, ckpt_dir, journal_path, data_sha256)
+  search = _search(config.output_dir, metadata)
   # Several processes: process 0's root everywhere (and a barrier: all have read the run dir).
   root = agree_on_root(root_key(config.seed) if metadata is None else RootKey(
       jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
-  placed = _build(task, root)
+  placed = _build(task, root, search)
   run = placed.run
   ledger = _resumed_ledger(run, metadata)
   if metadata is not None and metadata.get("stop_reason") in _FINISHED:
@@ -515,7 +542,7 @@ def run_task(task: Task) -> dict:
   clock = _Clock.resumed(metadata, start)
 
   def save(state: LoopState, stop: str | None = None) -> None:
-    meta = {**_metadata(task, run, root, ledger, state.key_index, stop, history, data_sha256),
+    meta = {**_metadata(task, placed, root, ledger, state.key_index, stop, history, data_sha256),
             "elapsed": clock.elapsed()}
     # Several processes: each gathers the leaves split over them; process 0 writes.
     params, opt_state = gather_to_host((state.params, state.opt_state))
@@ -525,7 +552,7 @@ def run_task(task: Task) -> dict:
   def before(state: LoopState) -> None:
     if is_primary():  # the journal entry precedes its release
       append_entry(journal_path, JournalEntry(state.step, state.key_index, fingerprint,
-                                              ledger.config._asdict()))
+                                              ledger.config._asdict(), bool(root.seeded)))
     if run.before_release is not None:
       run.before_release(state)
 
@@ -619,7 +646,8 @@ def _finished(task: Task, placed: _Placed, ledger: PrivacyLedger, root: RootKey,
                    clock.elapsed(), root.seeded)
   print(
       f"The run in {output_dir} already finished ({metadata['stop_reason']}) after "
-      f"{ledger.count} releases, ε = {ledger.epsilon():.4f}; nothing to do."
+      f"{ledger.count} releases, ε = {certified_epsilon(ledger.epsilon(), placed.search):.4f}; "
+      "nothing to do."
   )
   with open(os.path.join(output_dir, RESULTS_NAME)) as f:
     return json.load(f)
@@ -651,10 +679,16 @@ def _close_tracker(tracker, history: list[dict], tracked: Mapping[str, str]) -> 
   tracker.close()
 
 
-def _record(run: Run, ledger: PrivacyLedger, step: int, params: PyTree, clock: _Clock) -> dict:
-  """One history row: the step, ε spent, the task's held-out metrics, the rates, the time."""
+def _record(placed: _Placed, ledger: PrivacyLedger, step: int, params: PyTree,
+            clock: _Clock) -> dict:
+  """One history row: the step, ε spent (the search's, the run's own beside it, for a run
+  made in a search), the task's held-out metrics, the rates, the time."""
+  run, own = placed.run, ledger.epsilon()
   seconds, cpu_seconds = clock.elapsed()
-  return {"step": step, "epoch": step / run.steps_per_epoch, "epsilon": ledger.epsilon(),
+  spent = {"epsilon": certified_epsilon(own, placed.search)}
+  if placed.search is not None:
+    spent["training_epsilon_per_run"] = own
+  return {"step": step, "epoch": step / run.steps_per_epoch, **spent,
           **run.evaluate(params),
           **{name: float(np.asarray(rate(step))) for name, rate in run.rates.items()},
           "seconds": seconds, "cpu_seconds": cpu_seconds}
@@ -673,7 +707,7 @@ def _after_release(task: Task, placed: _Placed, ledger, history, bar, save, trac
     if run.after_release is not None:
       run.after_release(state)
     if done % eval_every == 0 or done == placed.end:
-      record = _record(run, ledger, done, state.params, clock)
+      record = _record(placed, ledger, done, state.params, clock)
       if config.log_clip_stats:
         record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
         record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
@@ -702,12 +736,12 @@ def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop
   """
   config, run = task.config, placed.run
   if not history or history[-1]["step"] != state.step:
-    history.append(_record(run, ledger, state.step, state.params, clock))
+    history.append(_record(placed, ledger, state.step, state.params, clock))
     if run.on_record is not None and is_primary():
       run.on_record(history[-1])
   seconds, cpu_seconds = elapsed
   results = {**run.results(state.params, history),
-             **_results(config, run, ledger, stop_reason, seconds, cpu_seconds,
+             **_results(config, placed, ledger, stop_reason, seconds, cpu_seconds,
                         state.step - clock.first, seeded)}
   if is_primary():
     export_run(config.output_dir)  # parameters + certificate, no secrets, in export/
@@ -718,11 +752,14 @@ def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop
   return results
 
 
-def _results(config, run: Run, ledger: PrivacyLedger, stop_reason, seconds: float,
+def _results(config, placed: _Placed, ledger: PrivacyLedger, stop_reason, seconds: float,
              cpu_seconds: float, steps_run: int, seeded) -> dict:
-  """What every run reports: the guarantee spent, how it was made, and its cost."""
+  """What every run reports: the guarantee spent (:func:`~dpmuon_jax.training.export.
+  certified`: its search's, if it was made in one), how it was made, and its cost."""
+  run = placed.run
   setup = run.setup
-  return {
+  seeded = bool(seeded or ledger.seeded)  # a charged release from a seeded root included
+  return certified({
       "epsilon_spent": ledger.epsilon(),
       "target_epsilon": config.epsilon,
       "delta": config.delta,
@@ -743,7 +780,7 @@ def _results(config, run: Run, ledger: PrivacyLedger, stop_reason, seconds: floa
       # The seed is the root key of a seeded run: it stays in the owner-only checkpoints.
       "config": {**dataclasses.asdict(config), "seed": None},
       "export": "export",  # relative to the run's folder, which may be moved
-  }
+  }, placed.search, "epsilon_spent")
 
 
 def _write_outputs(output_dir: str, results: dict, history: list[dict],

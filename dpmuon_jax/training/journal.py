@@ -30,7 +30,9 @@ line's privacy settings, so it is charged at those.
 Every entry also records the privacy settings the release was made under (q,
 σ, C, D, N, the neighbouring relation, δ and the accountant: the ledger's
 configuration), so lost releases are charged exactly as they were made, and a
-resume under other settings is refused even when no checkpoint is left.
+resume under other settings is refused even when no checkpoint is left. It
+records whether the release was seeded too: lost releases of a seeded run,
+charged to a run resumed without its seed, keep the seeded caveat.
 
 A replay is checked, not assumed: right after each release, before anything
 of it can be seen (a history row, a checkpoint, a printed line), the trainer
@@ -72,6 +74,8 @@ class JournalEntry(NamedTuple):
   key_index: int  # index of the noise / sampling / augmentation keys it used
   fingerprint: str  # digest of everything that determined the release
   privacy: dict[str, Any] | None = None  # the ledger's configuration (q, σ, C, D, ...)
+  seeded: bool | None = None  # whether its noise and sample came from a user seed (None: not
+  #                             recorded, an older journal; counted as seeded when charged)
 
 
 class ResumePlan(NamedTuple):
@@ -137,8 +141,8 @@ def read_records(journal_path: str) -> list[JournalEntry]:
   if mark is None:
     return entries
   last = max((e.key_index for e in entries), default=-1)
-  missing = [JournalEntry(-1, k, "missing", mark.privacy) for k in range(last + 1,
-                                                                          mark.key_index + 1)]
+  missing = [JournalEntry(-1, k, "missing", mark.privacy, mark.seeded)
+             for k in range(last + 1, mark.key_index + 1)]
   return entries + missing
 
 
@@ -172,6 +176,16 @@ def read_seals(journal_path: str) -> dict[int, tuple[int, ...]]:
 def releases_after(entries: list[JournalEntry], key_index: int) -> int:
   """How many releases the records show at key indices ``key_index`` and above."""
   return len({e.key_index for e in entries if e.key_index >= key_index})
+
+
+def any_seeded(entries: list[JournalEntry]) -> bool:
+  """Whether a user seed may have made any of these releases (unrecorded counts as seeded).
+
+  A run resumed without its seed (a fresh root) still has the releases its
+  seeded start made: when they are charged, the run's guarantee keeps the
+  caveat that it holds only while that seed stays secret.
+  """
+  return any(e.seeded is not False for e in entries)
 
 
 def check_settings(entries: list[JournalEntry], privacy: dict[str, Any]) -> None:
@@ -217,7 +231,8 @@ def read_journal(path: str) -> list[JournalEntry]:
         raise ValueError(f"{path}: line {number} is not a journal entry.") from None
       # Torn while being written: count a release after the last good one.
       last = max((e.key_index for e in entries), default=-1)
-      entries.append(JournalEntry(-1, last + 1, "torn", entries[-1].privacy if entries else None))
+      before = entries[-1] if entries else JournalEntry(-1, -1, "torn")
+      entries.append(JournalEntry(-1, last + 1, "torn", before.privacy, before.seeded))
   return entries
 
 
