@@ -357,7 +357,7 @@ def _search(output_dir: str, metadata: dict | None) -> dict | None:
   try:
     return read_search(output_dir, None if metadata is None else metadata.get("search"))
   except ValueError as error:
-    raise TrainingError(f"Refusing to resume: {error}") from None
+    raise TrainingError(f"Refusing to resume: {error}" if metadata else str(error)) from None
 
 
 def _build(task: Task, root: RootKey, search: dict | None) -> _Placed:

@@ -14,6 +14,13 @@ No PRNG key, optimizer state or sampling information is written: the export
 refuses a certificate with key-like entries or uint32 arrays, and parameters
 with uint32 or PRNG-key leaves. :func:`export_run` exports a training run
 directory (``dpmuon export RUN_DIR``).
+
+A run made in a search (``dpmuon tune``) holds the search's record in its
+folder (:data:`SEARCH_FILE`, written before its first release) and in every
+checkpoint. Its parameters are the output of the whole search, so its
+certificate, ``results.json`` and history state the search's ε
+(:func:`certified`, the one rule for all of them), and a run whose record is
+missing or changed is neither exported nor resumed (:func:`read_search`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ PyTree = Any
 
 PARAMS_FILE = "params.msgpack"
 CERTIFICATE_FILE = "privacy_certificate.json"
+SEARCH_FILE = "search.json"
+"""In a run's folder: the record of the search the run was made in (public)."""
 PUBLIC_FILE_MODE = 0o644
 
 KEY_LIKE_NAMES = ("key", "rng", "seed")
@@ -77,6 +86,112 @@ def guarantee(epsilon: float, delta: float, adjacency: str, seeded: bool) -> str
   if seeded:
     text += "; the noise came from a user seed, so it holds only while that seed stays secret"
   return text + "."
+
+
+def search_guarantee(epsilon: float, delta: float, seeded: bool) -> str:
+  """The scope of a tuning search's guarantee as one sentence (``dpmuon tune``'s, and that
+  of every results.json and certificate of the run it selected)."""
+  text = (f"({epsilon:.4g}, {delta:g})-differential privacy for the whole tuning "
+          "procedure (add/remove one example of the training or the validation part), "
+          "covering the chosen learning rate, its noisy score and selected_run/; the number of "
+          "runs, the other runs and the running time are not covered and stay unpublished")
+  if seeded:
+    text += "; the randomness came from a user seed, so it holds only while that seed is secret"
+  return text + "."
+
+
+def _check_search(search: Any, path: str) -> None:
+  if not isinstance(search, dict):
+    raise ValueError(f"{path} is not a search record (a JSON object).")
+  missing = [k for k in ("epsilon", "delta", "target_epsilon", "seeded", "tuning")
+             if k not in search]
+  if missing:
+    raise ValueError(f"{path} is not a search record: it lacks {', '.join(missing)}.")
+
+
+def write_search(run_dir: str, search: Mapping[str, Any]) -> None:
+  """Writes the record of the search a run is made in to ``run_dir`` (:data:`SEARCH_FILE`).
+
+  Write it before the run's first release: the run records it in its checkpoints,
+  and :func:`certified` applies it to everything the run publishes.
+
+  Args:
+    run_dir: the run's ``output_dir``.
+    search: public, JSON: ``epsilon`` and ``delta`` of the whole search, its
+      ``target_epsilon``, ``seeded`` (its randomness came from a user seed) and
+      ``tuning``, the settings that name it (grid, law of the number of runs, ...).
+  """
+  path = os.path.join(run_dir, SEARCH_FILE)
+  _check_search(search, path)
+  os.makedirs(run_dir, exist_ok=True)
+  _write_public_file(path, (json.dumps(search, indent=2) + "\n").encode("utf-8"))
+
+
+def read_search(run_dir: str, recorded: Mapping[str, Any] | None = None) -> dict | None:
+  """The record of the search the run in ``run_dir`` was made in, or ``None`` (no search).
+
+  Args:
+    run_dir: the run's folder.
+    recorded: the record the run's checkpoint holds (``None`` for a new run or one
+      made in no search). The folder must still hold it unchanged: without it the
+      run's own, smaller ε would be certified.
+
+  Raises:
+    ValueError: if the record is missing or differs from ``recorded``, or is not a record.
+  """
+  path = os.path.join(run_dir, SEARCH_FILE)
+  try:
+    with open(path) as f:
+      search = json.load(f)
+  except FileNotFoundError:
+    search = None
+  except ValueError as error:
+    raise ValueError(f"{path} is not valid JSON ({error}).") from None
+  if recorded is not None and search != recorded:
+    problem = "is missing" if search is None else "differs from the one its checkpoints hold"
+    raise ValueError(
+        f"{run_dir} was trained in a tuning search (ε = {recorded['epsilon']:.4g}) but its "
+        f"record {path} {problem}; restore it: without it the run's own, smaller ε would be "
+        "certified."
+    )
+  if search is not None:
+    _check_search(search, path)
+  return search
+
+
+def certified_epsilon(epsilon: float, search: Mapping[str, Any] | None) -> float:
+  """The ε a run states, from its own ``epsilon``: the larger of it and its search's."""
+  return epsilon if search is None else max(epsilon, search["epsilon"])
+
+
+def certified(statement: Mapping[str, Any], search: Mapping[str, Any] | None,
+              epsilon_key: str = "epsilon") -> dict:
+  """What a run publishes about its privacy: ``statement`` with the search it was made in.
+
+  The parameters of a run selected by a search are the output of the whole
+  search, so the statement takes the larger ε and δ, the weaker caveat (seeded
+  if either was), the search's target and guarantee, and names the search
+  (``tuning``); the run's own ε stays as ``training_epsilon_per_run``.
+
+  Args:
+    statement: the run's own: its certificate (:func:`privacy_certificate`) or
+      results.json's entries, with ``delta``, ``seeded`` and ε under ``epsilon_key``.
+    search: the run's search record (:func:`read_search`); ``None``: no search.
+    epsilon_key: where ``statement`` holds ε.
+
+  Returns:
+    A new dict; ``statement``'s copy without a search.
+  """
+  if search is None:
+    return dict(statement)
+  own = statement[epsilon_key]
+  epsilon = certified_epsilon(own, search)
+  delta = max(statement["delta"], search["delta"])
+  seeded = bool(statement["seeded"] or search["seeded"])
+  return {**statement, epsilon_key: epsilon, "training_epsilon_per_run": own, "delta": delta,
+          "target_epsilon": search["target_epsilon"], "seeded": seeded,
+          "guarantee": search_guarantee(epsilon, delta, seeded),
+          "tuning": dict(search["tuning"])}
 
 
 def privacy_certificate(
@@ -288,7 +403,8 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
 
   Reads only the parameters and the metadata of ``run_dir/checkpoints``
   (never the optimizer state) and writes them with their certificate to
-  ``out_dir`` (default ``run_dir/export``).
+  ``out_dir`` (default ``run_dir/export``). A run made in a search
+  (:data:`SEARCH_FILE`) is certified with the search's ε (:func:`certified`).
 
   Returns:
     The absolute path of the export.
@@ -296,6 +412,7 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
   Raises:
     FileNotFoundError: if ``run_dir`` is missing or holds no checkpoint.
     DamagedCheckpointError: if no intact checkpoint is left.
+    ValueError: if the run was made in a search whose record is missing or changed.
   """
   if not os.path.isdir(run_dir):
     raise FileNotFoundError(f"No training run at {run_dir} (no such directory).")
@@ -315,14 +432,14 @@ def export_run(run_dir: str, out_dir: str | None = None) -> str:
   if "dataset" in config:
     model["dataset"] = _public_dataset_name(str(config["dataset"]))
   records = read_records(os.path.join(run_dir, JOURNAL_NAME))
-  certificate = privacy_certificate(
+  certificate = certified(privacy_certificate(
       ledger,
       clipping=clipping,
       seeded=bool(metadata.get("seeded", ledger.seeded)),
       secure_noise=bool(metadata.get("secure_noise", False)),
       model=model,
       releases_after_checkpoint=releases_after(records, metadata.get("key_index", ledger.count)),
-  )
+  ), read_search(run_dir, metadata.get("search")))
   out_dir = os.path.join(run_dir, "export") if out_dir is None else out_dir
   _refuse_folder_holding_secrets(out_dir, run_dir)
   return export_model(out_dir, checkpoint.params, certificate)

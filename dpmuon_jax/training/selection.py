@@ -19,13 +19,16 @@ procedure spends at most the target ε.
 Published, and covered by the tuned (ε, δ): ``tuning.json`` (the chosen
 learning rate, its noisy score, the guarantee) and ``selected_run/`` (what
 ``dpmuon train`` writes for that run; its checkpoints are SECRET as always,
-its ``export/`` is public, and its certificate is rewritten to the tuned ε and
-guarantee, the run's own ε kept as ``training_epsilon_per_run``, so the
-exported model never travels with an ε that the search exceeds). K, the
-other runs and their scores stay hidden: they are deleted as soon as they are
-beaten. ``show_all_runs`` adds them to
-``tuning.json`` under ``nonprivate_runs``, outside the guarantee; so is the
-running time, which grows with K.
+its ``export/`` is public). Each run's folder holds the search's record
+(``search.json``: the tuned ε, δ and the search's settings) before the run's
+first release, and the run keeps it in its checkpoints, so its
+``results.json``, history and every export of it (``dpmuon export``, a
+resume) state the tuned ε and guarantee, the run's own ε kept as
+``training_epsilon_per_run`` (:func:`~dpmuon_jax.training.export.certified`):
+the model never travels with an ε that the search exceeds. K, the other runs
+and their scores stay hidden: they are deleted as soon as they are beaten.
+``show_all_runs`` adds them to ``tuning.json`` under ``nonprivate_runs``,
+outside the guarantee; so is the running time, which grows with K.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ from dpmuon_jax.privacy.tuning import (
     expected_runs,
     noisy_score,
     private_tune,
+    tuned_epsilon,
 )
-from dpmuon_jax.training.export import export_model, load_exported
+from dpmuon_jax.training.export import load_exported, search_guarantee, write_search
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, evaluation_fn, train
 
 SUMMARY_FILE = "tuning.json"
@@ -109,6 +113,7 @@ class _Plan(NamedTuple):
   run: RunPrivacy
   score: ScoreRelease
   run_epsilon: float  # each run's training releases alone, the trainer's ledger budget
+  epsilon: float  # the whole search
 
 
 def _plan(config: TrainConfig, train_part: ImageDataset, options: TuneOptions) -> _Plan:
@@ -130,18 +135,24 @@ def _plan(config: TrainConfig, train_part: ImageDataset, options: TuneOptions) -
   score = noisy_score(1.0 / n_val, options.score_std * n_val)
   sigma = calibrate_tuned_noise_multiplier(
       config.epsilon, config.delta, q, steps, options.distribution, score)
-  return _Plan(RunPrivacy(sigma, q, steps), score, compute_epsilon(sigma, q, steps, config.delta))
+  run = RunPrivacy(sigma, q, steps)
+  return _Plan(run, score, compute_epsilon(sigma, q, steps, config.delta),
+               tuned_epsilon(run, options.distribution, score, config.delta))
 
 
 def _train_fn(config: TrainConfig, train_part: ImageDataset,
-              validation: tuple[np.ndarray, np.ndarray], plan: _Plan, runs_dir: str) -> Callable:
-  """One private run for a learning rate: (validation accuracy, its run record)."""
+              validation: tuple[np.ndarray, np.ndarray], plan: _Plan, search: dict,
+              runs_dir: str) -> Callable:
+  """One private run for a learning rate, made with the ``search`` record in its folder:
+  (validation accuracy, its run record)."""
   model, _ = model_and_loss(config.model, cast(int, train_part.num_classes),
                             train_part.image_shape,
                             seed=config.model_seed, **config.model_overrides)
 
   def train_fn(learning_rate: float, seed: int | None) -> tuple[float, dict]:
     run_dir = tempfile.mkdtemp(prefix="run-", dir=runs_dir)
+    write_search(run_dir, {**search, "tuning": {**search["tuning"],
+                                                "learning_rate": learning_rate}})
     run_config = dataclasses.replace(
         config, learning_rate=learning_rate, seed=seed, output_dir=run_dir, resume=False,
         noise_multiplier=plan.run.noise_multiplier, epsilon=plan.run_epsilon)
@@ -164,14 +175,15 @@ def _distribution_json(distribution: RunCount) -> dict:
           "gamma": distribution.gamma, "expected_runs": expected_runs(distribution)}
 
 
-def _guarantee(out: TuningResult) -> str:
-  text = (f"({out.epsilon:.4g}, {out.delta:g})-differential privacy for the whole tuning "
-          "procedure (add/remove one example of the training or the validation part), "
-          "covering the chosen learning rate, its noisy score and selected_run/; the number of "
-          "runs, the other runs and the running time are not covered and stay unpublished")
-  if out.seeded:
-    text += "; the randomness came from a user seed, so it holds only while that seed is secret"
-  return text + "."
+def _search(config: TrainConfig, options: TuneOptions, plan: _Plan) -> dict:
+  """The search's record in each run's folder (``search.json``; the run adds its learning
+  rate): what the run's results, history and exports state (export.certified)."""
+  return {"epsilon": plan.epsilon, "delta": config.delta, "target_epsilon": config.epsilon,
+          "seeded": options.seed is not None,
+          "tuning": {"learning_rates": list(options.learning_rates),
+                     "distribution": _distribution_json(options.distribution),
+                     "validation_size": options.validation_size,
+                     "score_std": options.score_std}}
 
 
 def _summary(config: TrainConfig, options: TuneOptions, plan: _Plan, out: TuningResult,
@@ -184,7 +196,7 @@ def _summary(config: TrainConfig, options: TuneOptions, plan: _Plan, out: Tuning
       "epsilon": out.epsilon,
       "delta": out.delta,
       "target_epsilon": config.epsilon,
-      "guarantee": _guarantee(out),
+      "guarantee": search_guarantee(out.epsilon, out.delta, out.seeded),
       "seeded": out.seeded,
       "learning_rates": list(options.learning_rates),
       "distribution": _distribution_json(options.distribution),
@@ -207,22 +219,6 @@ def _summary(config: TrainConfig, options: TuneOptions, plan: _Plan, out: Tuning
     summary["nonprivate_runs"] = [
         {"learning_rate": r.candidate, "score": r.score} for r in out.nonprivate_runs]
   return summary
-
-
-def _certify_tuned_export(run_dir: str, summary: dict) -> None:
-  """Rewrites the selected run's exported certificate to the tuned (ε, δ) and guarantee:
-  the exported model is the output of the whole search, so its per-run ε does not hold."""
-  with open(os.path.join(run_dir, "results.json")) as f:
-    export_dir = os.path.join(run_dir, json.load(f)["export"])
-  exported = load_exported(export_dir)
-  certificate = {k: v for k, v in exported.certificate.items() if k != "params_sha256"}
-  certificate.update(
-      training_epsilon_per_run=certificate["epsilon"], epsilon=summary["epsilon"],
-      delta=summary["delta"], target_epsilon=summary["target_epsilon"],
-      guarantee=summary["guarantee"],
-      tuning={k: summary[k] for k in ("learning_rates", "distribution", "validation_size",
-                                       "score_std", "learning_rate", "score")})
-  export_model(export_dir, exported.params, certificate)
 
 
 def _relocate_results(run_dir: str, old_dir: str) -> None:
@@ -265,21 +261,24 @@ def tune_learning_rate(config: TrainConfig, data: ImageDataset, options: TuneOpt
     raise TrainingError(f"{config.output_dir} already holds a tuning run; choose another "
                         "--output-dir.")
   os.makedirs(config.output_dir, exist_ok=True)
+  search = _search(config, options, plan)
   runs_dir = tempfile.mkdtemp(prefix=".tuning-runs-", dir=config.output_dir)
   try:
     out = private_tune(
-        _train_fn(config, train_part, (val_x, val_y), plan, runs_dir), options.learning_rates,
+        _train_fn(config, train_part, (val_x, val_y), plan, search, runs_dir),
+        options.learning_rates,
         run=plan.run, distribution=options.distribution, score=plan.score,
         target_delta=config.delta, seed=options.seed,
         discard=lambda result: shutil.rmtree(result["dir"], ignore_errors=True))
+    if (out.epsilon, out.delta, out.seeded) != (plan.epsilon, config.delta, search["seeded"]):
+      raise RuntimeError(f"The search spent (ε, δ) = ({out.epsilon}, {out.delta}), seeded "
+                         f"{out.seeded}; its runs recorded {search}.")
     if out.result is not None:
       os.replace(out.result["dir"], selected_dir)
       _relocate_results(selected_dir, out.result["dir"])
   finally:
     shutil.rmtree(runs_dir, ignore_errors=True)
   summary = _summary(config, options, plan, out, selected_dir if out.result else None)
-  if out.result is not None:
-    _certify_tuned_export(selected_dir, summary)
   with open(summary_path, "w") as f:
     json.dump(summary, f, indent=2)
   return summary
