@@ -12,6 +12,11 @@ never reported; without it (the earlier protocol) ``seeds[0]`` selects and is
 reported too. Test accuracy is measured once, on the final parameters of
 every run, and never used for a choice.
 
+An arm with a ``learning_rate`` fixed in advance (e.g. the rate an earlier
+study chose) trains no grid: its reported seeds run at that rate. An arm's
+own ``seeds`` replace the study's reported seeds for that arm (e.g. fresh
+seeds for a replication).
+
 Two choices beyond the learning rate:
 
 * arms that differ only in their ``variant`` (e.g. DiSK's κ) form one
@@ -64,7 +69,9 @@ class Arm:
   that competes with the arm's other variants (see the module docstring);
   ``fallback_lr_from`` names the arm whose chosen rate the 1-D group runs
   (filled into ``fallback_learning_rate`` when known); arms of lower
-  ``priority`` train first.
+  ``priority`` train first. ``learning_rate``: a rate fixed in advance, so no
+  grid is trained (``lr_center`` is then unused); ``seeds``: this arm's
+  reported seeds (``None``: the study's).
   """
 
   optimizer: str
@@ -79,6 +86,8 @@ class Arm:
   fallback_lr_from: str | None = None
   fallback_learning_rate: float | None = None
   priority: int = 0
+  learning_rate: float | None = None
+  seeds: tuple[int, ...] | None = None
 
   @property
   def name(self) -> str:
@@ -116,7 +125,14 @@ class PrivatelyTunedArm(Arm):
 
 @dataclasses.dataclass(frozen=True)
 class Study:
-  """Arms trained on one dataset and model at one (ε, δ); see the module docstring."""
+  """Arms trained on one dataset and model at one (ε, δ); see the module docstring.
+
+  ``gap_change_rule`` = (label, B_low, B_high): the report also decides how the
+  paired DP-Muon − DP-SGD gap of that label's arms changes from B_low to B_high
+  (``gap_change.csv``); ``reference`` names a study whose results folder is a
+  sibling of this one's, whose "main" arms at B_low and B_high place this
+  study's "main" arms between them there.
+  """
 
   name: str
   description: str
@@ -136,6 +152,8 @@ class Study:
   microbatch_size: int | None = 256
   warmup_fraction: float = 0.05
   scale: str = "cpu"
+  gap_change_rule: tuple[str, int, int] | None = None
+  reference: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -151,8 +169,11 @@ def selection_seed(study: Study) -> int:
   return study.seeds[0] if study.selection_seed is None else study.selection_seed
 
 
-def reported_seeds(study: Study) -> tuple[int, ...]:
-  """The seeds the chosen rate trains with (the selection seed only in the earlier protocol)."""
+def reported_seeds(study: Study, arm: Arm | None = None) -> tuple[int, ...]:
+  """The seeds the chosen rate trains with (the selection seed only in the earlier protocol);
+  ``arm``'s own ``seeds`` where it has them."""
+  if arm is not None and arm.seeds is not None:
+    return arm.seeds
   return tuple(s for s in study.seeds if study.selection_seed is None or s != study.selection_seed)
 
 
@@ -161,7 +182,10 @@ def grid_state(study: Study, arm: Arm, rows: list[dict]) -> tuple[list[float], f
 
   The grid starts at offsets −(p−1)/2 … (p−1)/2 around ``lr_center``; while the
   best validation accuracy is at an edge it extends by one step on that side.
+  An arm with a fixed ``learning_rate`` has no grid: ``([], learning_rate)``.
   """
+  if arm.learning_rate is not None:
+    return [], arm.learning_rate
   half = (study.grid_points - 1) // 2
   offsets = list(range(-half, study.grid_points - half))
   scores = {float(r["learning_rate"]): float(r["final_val_accuracy"]) for r in rows
@@ -244,7 +268,7 @@ def ready_runs(study: Study, rows: list[dict]) -> Iterator[tuple[Arm, float, int
     if chosen is not None and selected_variant(study, arm, rows) == arm:
       done = {int(r["seed"]) for r in rows
               if r["arm"] == arm.name and float(r["learning_rate"]) == chosen}
-      for seed in reported_seeds(study):
+      for seed in reported_seeds(study, arm):
         if seed not in done:
           yield ready, chosen, seed
 

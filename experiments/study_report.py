@@ -18,6 +18,9 @@ Writes into the study's folder:
 * ``decision.csv``: the pre-registered rule on DP-Muon − DP-SGD at a fixed
   number of epochs (:func:`decision`), once every batch size has every
   reported seed;
+* ``gap_change.csv`` (a study with a ``gap_change_rule``): how that gap moves
+  between two batch sizes, seed by seed, and where the B's between them sit
+  against a reference study (:func:`gap_change_rows`);
 * ``predictor.csv``: per B and training length, the recovery-threshold
   prediction next to the observed paired gap (:func:`predictor_rows`), and
   ``predictor_count.csv``, its hits and misses once every point has every
@@ -111,7 +114,7 @@ def reported_rows(study: Study, arm: Arm, rows: list[dict]) -> list[dict]:
   if chosen is None or selected_variant(study, arm, rows) != arm:
     return []
   return [r for r in mine if float(r["learning_rate"]) == chosen
-          and int(r["seed"]) in reported_seeds(study)]
+          and int(r["seed"]) in reported_seeds(study, arm)]
 
 
 def arm_summary(study: Study, arm: Arm, rows: list[dict]) -> dict:
@@ -221,15 +224,8 @@ def decision(study: Study, rows: list[dict], label: str = "main") -> dict | None
   SE = sd_s(d_s(B_max) − d_s(B_min))/√n. ``None`` until every B has every reported seed
   of both arms (a verdict is never read from part of the seeds).
   """
-  pairs = {}
-  for arm in study.arms:
-    if arm.optimizer == "dp_muon" and arm.label == label and arm.clipping == "flat":
-      base = next((a for a in study.arms if a.optimizer == "dp_sgd" and a.label == label
-                   and a.batch_size == arm.batch_size and a.clipping == "flat"), None)
-      if base is not None:
-        pairs[arm.batch_size] = _paired(study, arm, base, rows)
-  seeds = set(reported_seeds(study))
-  if len(pairs) < 2 or any(set(d) != seeds for d in pairs.values()):
+  pairs = muon_gaps(study, rows, label)
+  if len(pairs) < 2 or not _complete(study, rows, label):
     return None
   sizes = sorted(pairs)
   gaps = [float(np.mean(list(pairs[b].values()))) for b in sizes]
@@ -247,6 +243,93 @@ def decision(study: Study, rows: list[dict], label: str = "main") -> dict | None
           "one_sign_at_largest_b": one_sign, "change": gaps[-1] - gaps[0],
           "paired_standard_error_of_change": se, "change_exceeds_3_se": beyond,
           "holds": rises and one_sign and beyond}
+
+
+def _muon_arms(study: Study, label: str) -> dict[int, tuple[Arm, Arm]]:
+  """{B: (DP-Muon, DP-SGD)} of the flat-clipping arms labelled ``label``."""
+  pairs = {}
+  for arm in study.arms:
+    if arm.optimizer == "dp_muon" and arm.label == label and arm.clipping == "flat":
+      base = next((a for a in study.arms if a.optimizer == "dp_sgd" and a.label == label
+                   and a.batch_size == arm.batch_size and a.clipping == "flat"), None)
+      if base is not None:
+        pairs[arm.batch_size] = (arm, base)
+  return pairs
+
+
+def muon_gaps(study: Study, rows: list[dict], label: str = "main") -> dict[int, dict[int, float]]:
+  """{B: {seed: d_s}}: DP-Muon − DP-SGD test accuracy per reported seed, arms labelled
+  ``label``."""
+  return {b: _paired(study, muon, sgd, rows)
+          for b, (muon, sgd) in _muon_arms(study, label).items()}
+
+
+def _complete(study: Study, rows: list[dict], label: str, sizes: tuple[int, ...] = ()) -> bool:
+  """Whether every DP-Muon / DP-SGD pair labelled ``label`` (at ``sizes``, default all) has
+  all its reported seeds, paired."""
+  arms = _muon_arms(study, label)
+  return all(b in arms for b in sizes) and all(
+      set(_paired(study, muon, sgd, rows)) == set(reported_seeds(study, muon))
+      == set(reported_seeds(study, sgd))
+      for b, (muon, sgd) in arms.items() if not sizes or b in sizes)
+
+
+def gap_change(low: dict[int, float], high: dict[int, float]) -> dict:
+  """How a paired gap moves from one batch size to another, seed by seed.
+
+  c_s = ``high[s]`` − ``low[s]`` over the seeds both have; SE = sd(c)/√n. ``direction``:
+  "falls" if every c_s < 0 and mean < −2 SE, "rises" if every c_s > 0 and mean > +2 SE,
+  else "undecided".
+  """
+  seeds = sorted(set(low) & set(high))
+  change = [high[s] - low[s] for s in seeds]
+  mean, sd = mean_std(change)
+  se = sd / math.sqrt(len(change))
+  falls = all(c < 0 for c in change) and mean < -2 * se
+  rises = all(c > 0 for c in change) and mean > 2 * se
+  return {"seeds": " ".join(map(str, seeds)),
+          "gap_low": float(np.mean([low[s] for s in seeds])),
+          "gap_high": float(np.mean([high[s] for s in seeds])),
+          "change_per_seed": " ".join(f"{s}:{c:+.4f}" for s, c in zip(seeds, change)),
+          "change": mean, "paired_standard_error": se,
+          "all_negative": all(c < 0 for c in change), "all_positive": all(c > 0 for c in change),
+          "beyond_2_se": abs(mean) > 2 * se,
+          "direction": "falls" if falls else "rises" if rises else "undecided"}
+
+
+GAP_CHANGE_VERDICTS = {"falls": "dip replicates", "rises": "reversed", "undecided": "undecided"}
+
+
+def gap_change_rows(study: Study, rows: list[dict], reference: Study | None = None,
+                    reference_rows: list[dict] = ()) -> list[dict]:
+  """``study.gap_change_rule`` = (label, B_low, B_high) applied (:func:`gap_change` on
+  d_s(B_high) vs d_s(B_low), the arms labelled ``label``; ``verdict``: dip replicates,
+  reversed or undecided), then, descriptive, each "main" B of ``study`` strictly between
+  B_low and B_high placed against ``reference``'s "main" gaps there on the same seeds
+  (B_low → B and B → B_high). A row appears only once every arm it reads has all its
+  reported seeds: a direction is never read from part of the seeds."""
+  if study.gap_change_rule is None:
+    return []
+  label, low, high = study.gap_change_rule
+  out = []
+  if _complete(study, rows, label, (low, high)):
+    gaps = muon_gaps(study, rows, label)
+    row = gap_change(gaps[low], gaps[high])
+    out.append({"comparison": "rule", "label": label, "b_low": low, "b_high": high, **row,
+                "verdict": GAP_CHANGE_VERDICTS[row["direction"]]})
+  if reference is None:
+    return out
+  ref = muon_gaps(reference, list(reference_rows))
+  ref_complete = _complete(reference, list(reference_rows), "main", (low, high))
+  mine = muon_gaps(study, rows)
+  for b in sorted(mine):
+    if not (low < b < high) or not ref_complete or not _complete(study, rows, "main", (b,)):
+      continue
+    for a, c, first, second in ((low, b, ref[low], mine[b]), (b, high, mine[b], ref[high])):
+      out.append({"comparison": f"position of B = {b} (reference: {reference.name})",
+                  "label": "main", "b_low": a, "b_high": c, **gap_change(first, second),
+                  "verdict": ""})
+  return out
 
 
 def predictor_rows(study: Study, rows: list[dict], report: list[dict]) -> list[dict]:
@@ -280,7 +363,8 @@ def predictor_rows(study: Study, rows: list[dict], report: list[dict]) -> list[d
 def predictor_count(study: Study, table: list[dict]) -> list[dict]:
   """Hits and misses of :func:`predictor_rows` over its points, counted (``hits``,
   ``misses``) only when every DP-Muon arm is a point with every reported seed."""
-  points = sum(a.name.startswith("dp_muon_B") for a in study.arms)
+  lengths = ("main", f"T{_fixed_releases(study)}")  # the labels the threshold report covers
+  points = sum(a.name.startswith("dp_muon_B") and a.label in lengths for a in study.arms)
   complete = len(table) == points and all(
       p["seeds"] == len(reported_seeds(study)) for p in table)
   hits = sum(bool(p["hit"]) for p in table)
@@ -386,6 +470,15 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   _write(out, "filter_gaps.csv", filter_gaps)
   verdict = decision(study, rows)  # the rule reads the fixed-epoch ("main") arms only
   _write(out, "decision.csv", [] if verdict is None else [verdict])
+  if study.gap_change_rule is not None:
+    reference, reference_rows = None, []
+    if study.reference is not None:
+      from experiments.study_configs import STUDIES
+
+      reference = STUDIES[study.reference]
+      reference_rows = read_rows(os.path.join(os.path.dirname(os.path.abspath(out)),
+                                              reference.name, "runs.csv"))
+    _write(out, "gap_change.csv", gap_change_rows(study, rows, reference, reference_rows))
   complete = complete_arms(study, summary)
   ablation = ablation_rows(complete)
   _write(out, "ablation.csv", ablation)

@@ -90,12 +90,17 @@ class TextExperiment:
 
   Learning-rate pilot (``rate_grid`` non-empty): before the runs of an ε, each
   variant of :meth:`piloted` is trained at seed ``pilot_seed`` (never a
-  reported seed) for ``pilot_steps`` releases (times its ``releases``) at both
+  reported seed) for ``pilot_steps`` releases (times its ``releases``;
+  ``pilot_steps = steps`` pilots each arm over its full horizon) at both
   rates multiplied by each factor of ``rate_grid``; while the factor of the
   lowest validation NLL is the grid's smallest or largest, the grid is extended
   by a factor 2 on that side (up to ``max_rate_points`` factors). Each variant
   then runs at its own best factor times (``learning_rate``,
   ``fallback_learning_rate``).
+
+  ``bleu_co_primary``: ``decision.csv`` applies the rule to test BLEU and
+  validation NLL together (``text_sweep.decide_co_primary``) instead of to
+  the NLL alone (``text_sweep.decide``).
   """
 
   name: str
@@ -134,6 +139,7 @@ class TextExperiment:
   pilot_seed: int = 36
   pilot_steps: int = 100
   max_rate_points: int = 8
+  bleu_co_primary: bool = False
 
   def runs(self):
     """Every (variant, ε, seed), the most informative first: the largest ε, then the
@@ -324,5 +330,36 @@ _add(
         scaling="as e2e_public_slice (the same start, private data, q, T = 400, δ), at ε = 8 "
         "only, both rates at half paper 2's (0.001 / 0.00175: the factor ½ that the 2T arm's "
         "pilot chose), no pilot, seed 37 only.",
+    ),
+)
+
+PAPER2_SAMPLING_RATE = 1 / 41
+PAPER2_REGIME_CAPACITY = 896  # qN + 4 sd = 770.1 + 109.6, rounded up to 28 microbatches of 32
+
+_add(
+    # Paper 2's claim in paper 2's own sampling regime: q = 1/41 (D = qN ≈ 770) for T = 400
+    # releases from e2e_public_slice's committed start, every arm's rates chosen by a pilot
+    # over that arm's whole horizon, test BLEU and validation NLL co-primary.
+    dataclasses.replace(
+        TEXT_EXPERIMENTS["e2e_public_slice"], name="e2e_paper2_regime",
+        table="paper 2 tables 1–2 (E2E) at paper 2's q = 1/41, public-slice start, 400 "
+        "releases, rates piloted over each arm's full horizon",
+        variants=(DP_MUON,
+                  Variant("DP-Muon-IM (K = 1)", "dp_muon_im", _IM_K1, epsilons=(8.0,)),
+                  Variant("DP-Muon-IM (preset)", "dp_muon_im", paper2_im=True),
+                  Variant("DP-Muon (2T releases)", "dp_muon", releases=2, epsilons=(8.0,))),
+        sampling_rate=PAPER2_SAMPLING_RATE, capacity=PAPER2_REGIME_CAPACITY,
+        rate_grid=(0.25, 0.5, 1.0), pilot_steps=PUBLIC_SLICE_RELEASES, metric="bleu",
+        bleu_co_primary=True,
+        scaling="as e2e_public_slice (the same committed start, the same private set "
+        "N = 31,575 without the public restaurants, T = 400, δ = 1e-5, C = 1, constant rates, "
+        "validation NLL every 50 releases, greedy decoding of at most 66 new tokens), but at "
+        "paper 2's sampling rate q = 1/41 (expected batch and D = qN ≈ 770; capacity 896 rows, "
+        "qN + 4 sd), about 9.8 epochs; arms at ε = 8: DP-Muon, inner momentum K = 1 (γ = 0.5), "
+        "paper 2's ε = 8 preset (4, 0.5)/(2, 0.5) and DP-Muon at 2T = 800 releases; at ε = 1: "
+        "DP-Muon and paper 2's ε = 1 preset (4, 0.5)/(3, 0.5); every arm's two rates one factor "
+        "from ×{¼, ½, 1} of 0.002 / 0.0035 (grown ×2 past an edge), chosen per arm and ε on "
+        "validation NLL at seed 36 over the arm's full horizon (800 releases for 2T); test "
+        "BLEU and validation NLL co-primary.",
     ),
 )

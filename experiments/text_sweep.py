@@ -50,7 +50,8 @@ releases, gradient evaluations per example, validation NLL per target token,
 BLEU / ROUGE-L per decoded split, training and whole-run seconds, peak
 memory, the rates), ``<out>/summary.csv`` (mean ± std over seeds, and the
 checkpoint's zero-shot row), ``<out>/pairs.csv`` (inner momentum minus
-DP-Muon per seed) with ``<out>/decision.csv`` (:func:`decide`), for runs
+DP-Muon per seed) with ``<out>/decision.csv`` (:func:`decide`, or
+:func:`decide_co_primary` where BLEU is co-primary), for runs
 evaluated along the way ``<out>/curves.csv`` and ``valid_nll_curves.png``,
 ``<out>/<metric>_vs_epsilon.png``, for fine-tuning ``<out>/zero_shot.json``
 (the checkpoint before any release: validation NLL and the decoded splits'
@@ -511,9 +512,10 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
   pairs = paired_differences(rows)
   if pairs:
     write_csv(os.path.join(out, "pairs.csv"), pairs)
+    rule, fields = ((decide_co_primary, CO_PRIMARY_FIELDS) if exp.bleu_co_primary
+                    else (decide, DECISION_FIELDS))
     write_csv(os.path.join(out, "decision.csv"),
-              decide(pairs, rates=read_rows(os.path.join(out, "rates.csv"), RATE_FIELDS)),
-              DECISION_FIELDS)
+              rule(pairs, rates=read_rows(os.path.join(out, "rates.csv"), RATE_FIELDS)), fields)
   diagnostics = []
   for (_, _, seed), directory in zip(runs, dirs):
     path = os.path.join(directory, "diagnostics.csv")
@@ -618,6 +620,70 @@ def decide(pairs: list[dict], seeds: int = 3, rates: list[dict] = ()) -> list[di
                 "verdict": verdict if decided else "",
                 "rates_on_edge": " ".join(label for label in key[1:3]
                                           if (label, float(key[3])) in edge)})
+  return out
+
+
+CO_PRIMARY_FIELDS = ("comparison", "variant", "baseline", "target_epsilon", "seeds",
+                     "d_test_bleu_per_seed", "d_test_bleu_mean", "d_test_bleu_paired_se",
+                     "bleu_favours", "d_valid_nll_per_seed", "d_valid_nll_mean",
+                     "d_valid_nll_paired_se", "nll_favours", "d_test_rouge_l_per_seed",
+                     "d_test_rouge_l_mean", "d_test_rouge_l_paired_se", "verdict",
+                     "rates_on_edge")
+
+
+def favoured(d: list[float], lower_is_better: bool) -> str:
+  """Which side one metric's paired differences Δ (inner momentum − baseline) favour:
+  "inner momentum" iff every Δ is on its better side (< 0 for a loss, > 0 for a score) and
+  |mean Δ| > 2 paired SE (sample std(Δ)/√n), "baseline" iff the same holds the other way,
+  else ""."""
+  if len(d) < 2:
+    return ""
+  mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+  sign = -1.0 if lower_is_better else 1.0
+  if all(sign * x > 0 for x in d) and sign * mean > 2 * se:
+    return "inner momentum"
+  if all(sign * x < 0 for x in d) and sign * mean < -2 * se:
+    return "baseline"
+  return ""
+
+
+def decide_co_primary(pairs: list[dict], seeds: int = 3, rates: list[dict] = ()) -> list[dict]:
+  """The pre-registered rule with test BLEU and validation NLL co-primary, per comparison
+  and ε, on the seeds that have both metrics.
+
+  Each metric's rule (:func:`favoured`): every seed's Δ the same sign and |mean Δ| > 2
+  paired SE. Inner momentum **helps** iff the BLEU rule favours it and the NLL rule
+  does not favour the baseline; the baseline (DP-Muon) is **better** iff the BLEU rule
+  favours it and the NLL rule does not favour inner momentum; otherwise **not
+  supported**. ``verdict`` is empty below ``seeds`` seeds. ROUGE-L is reported beside
+  them and decides nothing; ``rates_on_edge`` as in :func:`decide`.
+  """
+  edge = {(r["variant"], float(r["target_epsilon"])) for r in rates
+          if str(r["on_edge"]) == "True"}
+  both = [p for p in pairs if "d_valid_nll" in p and "d_test_bleu" in p]
+  out = []
+  for key in dict.fromkeys((p["comparison"], p["variant"], p["baseline"], p["target_epsilon"])
+                           for p in both):
+    group = sorted((p for p in both if (p["comparison"], p["variant"], p["baseline"],
+                                        p["target_epsilon"]) == key), key=lambda p: p["seed"])
+    row = {"comparison": key[0], "variant": key[1], "baseline": key[2],
+           "target_epsilon": key[3], "seeds": " ".join(str(p["seed"]) for p in group)}
+    for metric in ("test_bleu", "valid_nll", "test_rouge_l"):
+      d = [p[f"d_{metric}"] for p in group if f"d_{metric}" in p]
+      row[f"d_{metric}_per_seed"] = " ".join(f"{x:+.4f}" for x in d)
+      row[f"d_{metric}_mean"] = statistics.fmean(d) if d else math.nan
+      row[f"d_{metric}_paired_se"] = (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1
+                                      else math.nan)
+    bleu = favoured([p["d_test_bleu"] for p in group], lower_is_better=False)
+    nll = favoured([p["d_valid_nll"] for p in group], lower_is_better=True)
+    verdict = ("helps" if bleu == "inner momentum" and nll != "baseline"
+               else "DP-Muon better" if bleu == "baseline" and nll != "inner momentum"
+               else "not supported")
+    row.update(bleu_favours=bleu, nll_favours=nll,
+               verdict=verdict if len(group) >= seeds else "",
+               rates_on_edge=" ".join(label for label in key[1:3]
+                                      if (label, float(key[3])) in edge))
+    out.append(row)
   return out
 
 

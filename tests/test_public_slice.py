@@ -253,3 +253,102 @@ def test_decision_rule_names_dp_muon_better_and_the_rates_on_an_edge():
                                  for s, d in ((37, 0.01), (38, 0.3), (39, 0.01))])
   assert spread["all_positive"] and not spread["mean_above_plus_2se"]
   assert spread["verdict"] == "not supported" and spread["rates_on_edge"] == ""
+
+
+def test_paper2_regime_experiment_is_the_preregistered_design():
+  exp, slice_ = TEXT_EXPERIMENTS["e2e_paper2_regime"], TEXT_EXPERIMENTS["e2e_public_slice"]
+  assert exp.sampling_rate == pytest.approx(1 / 41) and exp.denominator is None  # D = qN
+  mean = exp.sampling_rate * E2E_PRIVATE_TRAIN_PAIRS
+  assert mean == pytest.approx(770.12, abs=0.01)
+  sd = math.sqrt(mean * (1 - exp.sampling_rate))
+  assert mean + 4 * sd <= exp.capacity < mean + 4 * sd + exp.microbatch_size
+  assert exp.capacity % exp.microbatch_size == 0
+  assert (exp.steps, exp.delta, exp.epsilons, exp.seeds, exp.pilot_seed) == (
+      400, 1e-5, (1.0, 8.0), (37, 38, 39), 36)
+  assert exp.pilot_steps == exp.steps  # each arm piloted over its full horizon
+  assert exp.rate_grid == (0.25, 0.5, 1.0) and exp.max_rate_points == slice_.max_rate_points
+  assert (exp.learning_rate, exp.fallback_learning_rate) == (
+      slice_.learning_rate, slice_.fallback_learning_rate)
+  for name in ("public_slice", "model", "model_overrides", "vocab_size", "max_length",
+               "weights", "eval_every", "max_new_tokens", "microbatch_size", "clip"):
+    assert getattr(exp, name) == getattr(slice_, name), name  # the same start and scoring
+  assert exp.generate_splits == ("test",) and exp.bleu_co_primary
+  assert [v.label for v in exp.piloted(8.0)] == [
+      "DP-Muon", "DP-Muon-IM (K = 1)", "DP-Muon-IM (preset)", "DP-Muon (2T releases)"]
+  assert [v.label for v in exp.piloted(1.0)] == ["DP-Muon", "DP-Muon-IM (preset)"]
+  variants = {v.label: v for v in exp.variants}
+  assert variants["DP-Muon-IM (K = 1)"].kwargs == {
+      "history": 1, "decay": 0.5, "fallback_history": 1, "fallback_decay": 0.5}
+  preset = variants["DP-Muon-IM (preset)"]
+  assert preset.optimizer_kwargs("e2e", 8.0) == im_preset("e2e", 8.0)  # (4, 0.5) / (2, 0.5)
+  assert preset.optimizer_kwargs("e2e", 1.0) == im_preset("e2e", 1.0)  # (4, 0.5) / (3, 0.5)
+  two_t = text_sweep.run_config(
+      exp, variants["DP-Muon (2T releases)"], 8.0, 37, "o", "d", "w", False, 0.25)
+  assert two_t.steps == 800 and two_t.learning_rate == pytest.approx(0.0005)
+  assert len(list(exp.runs())) == 4 * 3 + 2 * 3
+
+
+class _ScoringTrainer(_RateTrainer):
+  """_RateTrainer that also decodes: test BLEU 40 − 10·(NLL − 2), ROUGE-L 50."""
+
+  def __call__(self, config, probe=None):
+    results = super().__call__(config, probe)
+    if config.generate_splits:
+      results["scores"] = {"test": {"bleu": 40 - 10 * (results["valid_nll"] - 2),
+                                    "rouge_l": 50.0}}
+    return results
+
+
+@needs_text_data
+def test_a_full_horizon_pilot_trains_each_arm_for_its_own_length_and_bleu_co_decides(
+    tmp_path, monkeypatch):
+  exp = dataclasses.replace(
+      _pilot_experiment(), pilot_steps=10, bleu_co_primary=True, generate_splits=("test",),
+      variants=(Variant("A", "dp_muon"), Variant("B", "dp_muon", releases=2),
+                Variant("C", "dp_muon_im", {"history": 1})))
+  fake = _ScoringTrainer({"dp_muon": 0.01, "dp_muon_im": 0.01})
+  monkeypatch.setattr(text_sweep, "train_lm", fake)
+  text_sweep.run(exp, str(tmp_path), TEXT_DIR, own_process=False)
+  pilot = {(o, s) for o, seed, s, _ in fake.calls if seed == exp.pilot_seed}
+  assert pilot == {("dp_muon", 10), ("dp_muon", 20), ("dp_muon_im", 10)}  # = the runs' T
+  assert {(o, s) for o, seed, s, _ in fake.calls if seed != exp.pilot_seed} == pilot
+  with open(tmp_path / "decision.csv") as f:
+    reader = csv.DictReader(f)
+    assert tuple(reader.fieldnames) == text_sweep.CO_PRIMARY_FIELDS
+    rows = {r["comparison"]: r for r in reader}
+  assert set(rows) == {"equal releases", "equal compute"}  # C − A, C − B (2T)
+  assert rows["equal compute"]["baseline"] == "B" and rows["equal releases"]["seeds"] == "37 38"
+
+
+def _pair2(seed, d_nll, d_bleu, comparison="equal releases"):
+  return {"comparison": comparison, "variant": "IM", "baseline": "DP-Muon",
+          "target_epsilon": 8.0, "seed": seed, "d_valid_nll": d_nll, "d_test_bleu": d_bleu,
+          "d_test_rouge_l": 0.1}
+
+
+def _co(nll, bleu, **kw):
+  (row,) = text_sweep.decide_co_primary(
+      [_pair2(s, n, b) for s, n, b in zip((37, 38, 39), nll, bleu)], **kw)
+  return row
+
+
+def test_co_primary_rule_needs_bleu_for_inner_momentum_and_nll_not_against_it():
+  level = (0.001, -0.002, 0.0005)  # NLL: mixed signs, no side
+  helps = _co(level, (0.5, 0.7, 0.6))
+  assert (helps["bleu_favours"], helps["nll_favours"], helps["verdict"]) == (
+      "inner momentum", "", "helps")
+  assert helps["d_test_bleu_mean"] == pytest.approx(0.6)
+  assert helps["d_test_bleu_paired_se"] == pytest.approx(0.1 / math.sqrt(3))
+  assert helps["d_test_bleu_per_seed"] == "+0.5000 +0.7000 +0.6000"
+  assert _co((-0.05, -0.04, -0.06), (0.5, 0.7, 0.6))["verdict"] == "helps"  # both agree
+  against = _co((0.05, 0.04, 0.06), (0.5, 0.7, 0.6))  # BLEU for IM, NLL for the baseline
+  assert against["nll_favours"] == "baseline" and against["verdict"] == "not supported"
+  assert _co(level, (0.5, 0.7, -0.1))["verdict"] == "not supported"  # one seed the other way
+  assert _co(level, (0.1, 3.0, 0.1))["verdict"] == "not supported"  # one sign, within 2 SE
+  nll_only = _co((-0.05, -0.04, -0.06), (0.5, -0.7, 0.6))  # NLL alone does not decide
+  assert nll_only["nll_favours"] == "inner momentum" and nll_only["verdict"] == "not supported"
+  better = _co(level, (-0.5, -0.7, -0.6), rates=[
+      {"variant": "DP-Muon", "target_epsilon": 8.0, "on_edge": "True"}])
+  assert better["verdict"] == "DP-Muon better" and better["rates_on_edge"] == "DP-Muon"
+  (partial,) = text_sweep.decide_co_primary([_pair2(37, 0.0, 1.0), _pair2(38, 0.0, 1.1)])
+  assert partial["bleu_favours"] == "inner momentum" and partial["verdict"] == ""  # 2 seeds

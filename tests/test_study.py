@@ -328,6 +328,135 @@ def test_paper1_ablation_study_is_designed_as_its_readme_says():
   assert markdown[2 + 1].split(" | ")[1] == "— (49.0 ± 2.8)"  # one seed of three: not shown
 
 
+def test_a_fixed_rate_arm_trains_no_grid_and_runs_its_own_seeds_only():
+  """paper1_dip's replication arms: a rate fixed in advance (no selection run), fresh
+  seeds of their own; a Muon arm's 1-D group takes the fixed SGD arm's rate."""
+  sgd = Arm("dp_sgd", 32, 0.3, epochs=1.0, learning_rate=0.3, seeds=(5, 6), label="rep")
+  muon = Arm("dp_muon", 32, 0.02, epochs=1.0, learning_rate=0.02, seeds=(5, 6), label="rep",
+             fallback_lr_from=sgd.name)
+  study = Study("t", "test", (sgd, muon, SGD), seeds=(2, 3), selection_seed=1)
+  runs = [(a.name, lr, seed, a.fallback_learning_rate) for a, lr, seed in ready_runs(study, [])]
+  assert runs[:4] == [(sgd.name, 0.3, 5, None), (sgd.name, 0.3, 6, None),
+                      (muon.name, 0.02, 5, 0.3), (muon.name, 0.02, 6, 0.3)]
+  assert {seed for name, _, seed, _ in runs[4:]} == {1}  # the selected arm: its grid only
+  # A recorded run at another seed or rate is not one of the arm's reported runs.
+  rows = [_row(0.3, 0.5, s, sgd) for s in (2, 5, 6)] + [_row(0.9, 0.5, 5, sgd)]
+  assert [r["seed"] for r in study_report.reported_rows(study, sgd, rows)] == ["5", "6"]
+  assert [(a.name, seed) for a, _, seed in ready_runs(study, rows)][:2] == [
+      (muon.name, 5), (muon.name, 6)]
+  summary = arm_summary(study, sgd, rows)
+  assert summary["seeds"] == 2 and summary["chosen_learning_rate"] == 0.3
+  assert summary["grid"] == "" and not summary["chosen_on_edge"]
+
+
+def _dip_study(label="rep", sizes=(256, 1024), seeds=(5, 6, 7)):
+  arms = []
+  for b in sizes:
+    arms += [Arm("dp_sgd", b, 0.1, epochs=1.0, learning_rate=0.1, seeds=seeds, label=label),
+             Arm("dp_muon", b, 0.1, epochs=1.0, learning_rate=0.1, seeds=seeds, label=label,
+                 fallback_lr_from=f"dp_sgd_B{b}_{label}")]
+  return Study("t", "test", tuple(arms), seeds=(2, 3, 4), selection_seed=1,
+               gap_change_rule=(label, *sizes))
+
+
+def _dip_rows(study, gaps, seeds=(5, 6, 7)):
+  rows = []
+  for arm in study.arms:
+    d = gaps[arm.batch_size] if arm.optimizer == "dp_muon" else (0, 0, 0)
+    rows += _reported(arm, 0.1, [0.5 + x for x in d], seeds)
+  return rows
+
+
+def test_gap_change_rule_needs_every_seed_one_sign_and_the_mean_beyond_2_paired_se():
+  study = _dip_study()
+  dip = {256: (-0.006, -0.004, -0.004), 1024: (-0.016, -0.008, -0.022)}
+  (row,) = study_report.gap_change_rows(study, _dip_rows(study, dip))
+  assert row["verdict"] == "dip replicates" and row["all_negative"] and row["beyond_2_se"]
+  change = np.subtract(dip[1024], dip[256])
+  assert row["change"] == pytest.approx(change.mean())
+  assert row["paired_standard_error"] == pytest.approx(change.std(ddof=1) / np.sqrt(3))
+  assert row["change_per_seed"] == "5:-0.0100 6:-0.0040 7:-0.0180"
+  rise = {256: (-0.006, -0.004, -0.004), 1024: (0.01, 0.012, 0.011)}
+  assert study_report.gap_change_rows(study, _dip_rows(study, rise))[0]["verdict"] == "reversed"
+  one_up = {256: (-0.006, -0.004, -0.004), 1024: (-0.03, -0.03, -0.003)}  # seed 7: +0.001
+  (row,) = study_report.gap_change_rows(study, _dip_rows(study, one_up))
+  assert not row["all_negative"] and row["verdict"] == "undecided"
+  spread = {256: (0.0, 0.0, 0.0), 1024: (-0.001, -0.04, -0.001)}  # one sign, within 2 SE
+  (row,) = study_report.gap_change_rows(study, _dip_rows(study, spread))
+  assert row["all_negative"] and not row["beyond_2_se"] and row["verdict"] == "undecided"
+  # Nothing is decided from part of the seeds, nor from seeds the arms do not report.
+  partial = [r for r in _dip_rows(study, dip) if not (
+      r["arm"] == "dp_muon_B1024_rep" and r["seed"] == "7")]
+  assert study_report.gap_change_rows(study, partial) == []
+  assert study_report.gap_change_rows(study, _dip_rows(study, dip, seeds=(2, 3, 4))) == []
+
+
+def test_a_middle_batch_size_is_placed_against_the_reference_on_the_same_seeds(tmp_path,
+                                                                               monkeypatch):
+  reference = _decision_study(sizes=(256, 1024))
+  ref_rows = _decision_rows(reference, {256: (-0.01, -0.004, -0.004),
+                                        1024: (-0.016, -0.008, -0.022)})
+  rule = _dip_study()
+  middle = _decision_study(sizes=(512,))
+  study = dataclasses.replace(rule, arms=rule.arms + middle.arms, reference="reference")
+  rows = _dip_rows(rule, {256: (0.0,) * 3, 1024: (0.0,) * 3})
+  rows += _decision_rows(middle, {512: (-0.02, -0.012, -0.018)})
+  low, high = study_report.gap_change_rows(study, rows, reference, ref_rows)[1:]
+  assert (low["b_low"], low["b_high"], high["b_low"], high["b_high"]) == (256, 512, 512, 1024)
+  assert low["seeds"] == high["seeds"] == "2 3 4"
+  assert low["change_per_seed"] == "2:-0.0100 3:-0.0080 4:-0.0140"
+  assert low["direction"] == "falls" and high["direction"] == "undecided"
+  assert low["verdict"] == ""  # placed, not decided
+  # The report reads the reference's runs.csv from the sibling folder.
+  monkeypatch.setattr(study_report, "threshold_report", lambda *args: [])
+  monkeypatch.setitem(STUDIES, "reference", dataclasses.replace(reference, name="reference"))
+  (tmp_path / "reference").mkdir()
+  (tmp_path / "dip").mkdir()
+  for row in ref_rows:
+    append_row(str(tmp_path / "reference" / "runs.csv"), row)
+  write_report(study, rows, str(tmp_path / "dip"), None)
+  with open(tmp_path / "dip" / "gap_change.csv") as f:
+    written = list(csv.DictReader(f))
+  assert [r["comparison"] for r in written] == ["rule"] + [
+      "position of B = 512 (reference: reference)"] * 2
+  assert written[0]["verdict"] == "undecided" and written[1]["direction"] == "falls"
+
+
+def test_paper1_dip_study_reuses_paper1_ablations_choices_on_fresh_seeds():
+  study, ablation = STUDIES["paper1_dip"], STUDIES["paper1_ablation"]
+  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "results",
+                      "paper1_ablation", "runs.csv")
+  with open(path) as f:
+    recorded = list(csv.DictReader(f))
+  used = {int(r["seed"]) for r in recorded}
+  names = {a.name: a for a in ablation.arms}
+  fixed = [a for a in study.arms if a.learning_rate is not None]
+  assert {(a.optimizer, a.batch_size) for a in fixed} == {
+      (o, b) for o in ("dp_sgd", "dp_muon") for b in (256, 1024)}
+  for arm in fixed:
+    source = names[f"{arm.optimizer}_B{arm.batch_size}"]
+    assert grid_state(ablation, source, recorded) == ([], arm.learning_rate)  # not reselected
+    assert arm.seeds == (45, 46, 47) and not set(arm.seeds) & used  # fresh seeds
+    assert arm.epochs == source.epochs == 6 and arm.options == source.options
+    assert arm.priority == 0  # what the rule reads trains first
+  for arm, _, _ in ready_runs(study, []):
+    if arm.optimizer == "dp_muon" and arm.learning_rate is not None:  # DP-SGD's at the same B
+      sgd = names[f"dp_sgd_B{arm.batch_size}"]
+      assert arm.fallback_learning_rate == grid_state(ablation, sgd, recorded)[1]
+  middle = [a for a in study.arms if a.learning_rate is None]
+  assert {(a.optimizer, a.batch_size, a.label) for a in middle} == {
+      ("dp_sgd", 512, "main"), ("dp_muon", 512, "main")}
+  assert all(a.lr_center == names[f"{a.optimizer}_B256"].lr_center and a.seeds is None
+             for a in middle)  # the ablation's grid rule; seed 41 selects, 42-44 report
+  assert (study.selection_seed, study.seeds) == (41, (42, 43, 44))
+  assert (study.grid_points, study.grid_factor, study.max_extensions) == (
+      ablation.grid_points, ablation.grid_factor, ablation.max_extensions)
+  assert (study.epsilon, study.delta, study.model_overrides) == (
+      ablation.epsilon, ablation.delta, ablation.model_overrides)
+  assert study.gap_change_rule == ("replicate", 256, 1024)
+  assert study.reference == "paper1_ablation"
+
+
 def test_a_runs_file_keeps_its_header_when_a_column_is_added(tmp_path):
   path = str(tmp_path / "runs.csv")
   with open(path, "w") as f:

@@ -206,6 +206,7 @@ SLOW_TEXT_CONFIGS = {
     "e2e_cpu_im": "paper2_table1_e2e",
     "e2e_pretrained_cpu": "paper2_table1_e2e",
     "e2e_public_slice_half_rate": "e2e_public_slice",
+    "e2e_paper2_regime": "e2e_public_slice",
     "paper2_table2_e2e": "paper2_table1_e2e",
     "paper2_table5_group_ablation": "paper2_k_sweep",
 }
