@@ -12,7 +12,7 @@
 
 ``TEXT_DATA`` is a folder with ``e2e/``, ``dart/`` and ``gpt2/``, laid out as
 :mod:`dpmuon_jax.text.data` describes
-(:func:`~dpmuon_jax.text.data.download_text_data` fills its E2E and DART files).
+(:func:`~dpmuon_jax.text.data.download_text_data` fetches all three).
 
 ``--gpt2-dir`` is a local GPT-2 in the Hugging Face layout (``model.safetensors``
 + ``config.json``; nothing is downloaded): the real ``gpt2`` weights for the

@@ -44,6 +44,17 @@ def tiny_data():
   return ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
 
 
+@pytest.fixture(scope="session")
+def text_data_dir():
+  """The text data folder (see text_folder.py): skips the test without it, or fails it when
+  DPMUON_REQUIRE_TEXT_DATA=1 (CI). Used through ``text_folder.needs_text_data``; session-wide,
+  so it decides before a file's module fixtures (test_multihost_lm's runs) start."""
+  from text_folder import TEXT_DIR, require_text_data
+
+  require_text_data()
+  return TEXT_DIR
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_code():
   """After each test file, drop JAX's compiled executables and hand the freed heap back:

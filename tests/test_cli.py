@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from text_folder import TEXT_DIR, require_text_data
 
 from dpmuon_jax.cli import main
 
@@ -124,9 +125,6 @@ def test_bad_train_arguments_exit_nonzero_with_one_line(args, bad_npz, tmp_path,
   assert len([line for line in err.splitlines() if "error" in line]) == 1, err
 
 
-TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -137,8 +135,8 @@ TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
     ],
 )
 def test_bad_train_lm_arguments_exit_2_with_one_line(args, message, tmp_path, capsys):
-  if "--mesh" in args and not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")):
-    pytest.skip("shared/data/text is not present")
+  if "--mesh" in args:
+    require_text_data()
   with pytest.raises(SystemExit) if "--model-overrides" in args else _no_exit():
     code = main(["train-lm", "--data-dir", TEXT_DIR, "--output-dir", str(tmp_path / "x"),
                  "--model", "gpt2_tiny", "--vocab-size", "512", "--train-split", "train",

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import text_folder
 from process_group import DEVICES_PER_PROCESS, PROCESSES, Job, group, job_env, leaves, wait
 
-TEXT_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "text"
+TEXT_DIR = Path(text_folder.TEXT_DIR)
 TOLERANCE = 1e-6
 TINY_MODEL = '{"dim": 16, "num_layers": 1, "num_heads": 2, "max_positions": 160}'
 
-pytestmark = pytest.mark.skipif(not (TEXT_DIR / "gpt2").is_dir(),
-                                reason="shared/data/text is not present")
+pytestmark = text_folder.needs_text_data
 
 
 def _argv(out: Path, optimizer: str, *extra: str) -> list[str]:

@@ -10,16 +10,13 @@ import re
 import jax
 import numpy as np
 import pytest
+from text_folder import TEXT_DIR, needs_text_data
 
 from dpmuon_jax.text.data import TextPair, dart_source, load_e2e
 from dpmuon_jax.text.hf_weights import WEIGHTS_FILE, load_hf_gpt2, save_hf_gpt2
 from dpmuon_jax.text.train import LMTrainConfig, train_lm
 from experiments import pretrain_public as pp
 
-TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
-needs_text_data = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")), reason="shared/data/text is not present"
-)
 TINY = dict(dim=16, layers=1, heads=2, steps=2, batch_size=4, log_every=1, eval_every=1,
             eval_batch_size=8, seed=5)
 

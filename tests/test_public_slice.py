@@ -8,6 +8,7 @@ import os
 import shutil
 
 import pytest
+from text_folder import TEXT_DIR, needs_text_data
 
 from dpmuon_jax.text.data import (
     EvalGroup,
@@ -30,10 +31,6 @@ from experiments.text_configs import (
     im_preset,
 )
 
-TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
-needs_text_data = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")), reason="shared/data/text is not present"
-)
 PUBLIC_NAMES = {"The Rice Boat", "The Golden Curry", "Browns Cambridge", "Wildwood", "Cocum",
                 "Midsummer House", "Bibimbap House"}
 

@@ -1,5 +1,6 @@
 """The README's Python examples run as written (scaled down where marked)."""
 
+import json
 import pathlib
 import pickle
 import re
@@ -11,6 +12,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -120,3 +122,55 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_virtual_environment():
   assert venv < activate < default < lines.index(f"python -m {install}", default) < lines.index(
       test, default)
   assert "python -m pytest -q -m slow" in text and "python -m pytest -q -m slow" in lines
+
+
+def test_the_readme_says_how_to_get_the_text_data_and_ci_requires_it(tmp_path, monkeypatch):
+  """The tests that need E2E, DART and GPT-2's BPE files skip without them: the README names
+  them, the variable that locates the data and the command that fetches it (run here with the
+  downloads faked); .ci/run, where the data is, turns their skips into failures."""
+  import hashlib
+  import urllib.request
+
+  from text_folder import require_text_data
+
+  from dpmuon_jax.text import data
+
+  text = " ".join(README.read_text().split())
+  assert "needs_text_data" in text and "$DPMUON_TEXT_DATA" in text
+  (command,) = re.findall(r'`python -c "(from dpmuon_jax\.text\.data import [^"]*)"`', text)
+  folder = re.search(r"set the variable to `([^`]+)/`", text).group(1)
+  assert f"'{folder}'" in command
+
+  fake = {"encoder.json": b'{"!": 0}', "vocab.bpe": b"#version: 0.2\n"}
+  monkeypatch.setattr(data, "GPT2_BPE_FILES", {
+      local: (remote, hashlib.sha256(fake[remote]).hexdigest())
+      for local, (remote, _) in data.GPT2_BPE_FILES.items()})
+
+  def urlretrieve(url, path):
+    name = url.rsplit("/", 1)[1]
+    if "dart" in name:
+      content = json.dumps([{"tripleset": [["A", "p", "B"]],
+                             "annotations": [{"source": "s", "text": "A p B."}]}]).encode()
+    elif name.startswith("src1_"):
+      content = b"name : A | Type : pub||A is a pub . \n"
+    else:
+      content = fake[name]
+    pathlib.Path(path).write_bytes(content)
+
+  monkeypatch.setattr(urllib.request, "urlretrieve", urlretrieve)
+  monkeypatch.chdir(tmp_path)
+  exec(command, {})
+  require_text_data(tmp_path / folder)  # neither skips nor fails: the folder is complete
+  assert len(data.load_e2e(tmp_path / folder, "train").pairs) == 1
+  assert len(data.load_dart(tmp_path / folder, "test").pairs) == 1
+
+  monkeypatch.setenv("DPMUON_REQUIRE_TEXT_DATA", "1")
+  with pytest.raises(pytest.fail.Exception, match="DPMUON_REQUIRE_TEXT_DATA=1"):
+    require_text_data(tmp_path / "missing")
+  monkeypatch.delenv("DPMUON_REQUIRE_TEXT_DATA")
+  with pytest.raises(pytest.skip.Exception):
+    require_text_data(tmp_path / "missing")
+
+  ci = (README.parent / ".ci" / "run").read_text()
+  require = ci.index('export DPMUON_REQUIRE_TEXT_DATA="${DPMUON_REQUIRE_TEXT_DATA:-1}"')
+  assert require < ci.index("python -m pytest -q -n 2")

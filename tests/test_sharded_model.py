@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import text_folder
 from devices import host_devices_env
 from jax.sharding import PartitionSpec
 from stats import std_interval
@@ -188,7 +189,7 @@ def test_dpmuon_train_on_a_model_mesh_matches_one_device(tmp_path):
   np.testing.assert_allclose(one["final_test_loss"], mesh["final_test_loss"], rtol=1e-5)
 
 
-TEXT_DIR = HERE.parent.parent / "shared" / "data" / "text"
+TEXT_DIR = Path(text_folder.TEXT_DIR)
 _LM_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
@@ -209,7 +210,7 @@ print(json.dumps({"refused": refused, **{k: {"nll": v["valid_nll"], "releases": 
 """
 
 
-@pytest.mark.skipif(not (TEXT_DIR / "gpt2").is_dir(), reason="shared/data/text is not present")
+@text_folder.needs_text_data
 def test_train_lm_on_a_model_mesh_matches_one_device(tmp_path):
   env = host_devices_env(2, TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.run([sys.executable, "-c", _LM_SCRIPT, str(tmp_path), str(HERE)], env=env,

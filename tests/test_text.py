@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from text_folder import TEXT_DIR, needs_text_data
 
 from dpmuon_jax.models.common import pure_model
 from dpmuon_jax.optimizers import registry
@@ -17,10 +18,6 @@ from dpmuon_jax.text import data as text_data
 from dpmuon_jax.text import generate, hf_weights, metrics
 from dpmuon_jax.text.gpt2 import GPT2, GPT2_SMALL, GPT2Config, gpt2_model, lm_loss, token_nll
 
-TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
-needs_text_data = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")), reason="shared/data/text is not present"
-)
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="java is not installed")
 
 TINY = GPT2Config(vocab_size=97, max_positions=16, dim=32, num_layers=2, num_heads=4)
@@ -388,6 +385,26 @@ def test_a_changed_bpe_file_at_the_same_path_is_read_again(tmp_path):
   (tmp_path / "vocab.json").write_text(
       json.dumps({k: v for k, v in vocab.items() if v < 256 + 1000}), encoding="utf-8")
   assert len(GPT2Tokenizer(tmp_path).encode(" restaurant")) > 1
+
+
+@needs_text_data
+def test_the_gpt2_bpe_download_is_checked_against_the_files_the_tests_use(tmp_path, monkeypatch):
+  """download_text_data("gpt2") checks OpenAI's files against tiktoken's sha256 sums: those of
+  the data folder's copies. A file that differs is removed and refused."""
+  import hashlib
+  import urllib.request
+
+  for local, (_, sha256) in text_data.GPT2_BPE_FILES.items():
+    with open(os.path.join(TEXT_DIR, "gpt2", local), "rb") as f:
+      assert hashlib.sha256(f.read()).hexdigest() == sha256, local
+  def urlretrieve(url, path):
+    with open(path, "wb") as f:
+      f.write(b"not GPT-2")
+
+  monkeypatch.setattr(urllib.request, "urlretrieve", urlretrieve)
+  with pytest.raises(ValueError, match="encoder.json has sha256"):
+    text_data.download_text_data("gpt2", tmp_path)
+  assert not (tmp_path / "gpt2" / "vocab.json").exists()
 
 
 @needs_text_data

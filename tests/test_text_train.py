@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from text_folder import TEXT_DIR, needs_text_data
 
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe
 from dpmuon_jax.privacy.accounting import compute_epsilon
@@ -28,11 +29,6 @@ from experiments import text_sweep
 from experiments.pretrain_public import sha256_file
 from experiments.text_configs import TEXT_EXPERIMENTS, TextExperiment, Variant, im_preset
 from tests.run_files import public_files
-
-TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
-needs_text_data = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")), reason="shared/data/text is not present"
-)
 
 
 @needs_text_data

@@ -11,6 +11,7 @@ pytest.importorskip("tensorboard")
 
 from tensorboard.backend.event_processing import plugin_event_accumulator  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
+from text_folder import TEXT_DIR, needs_text_data  # noqa: E402
 
 from dpmuon_jax import cli  # noqa: E402
 from dpmuon_jax.training.tracking import (  # noqa: E402
@@ -101,11 +102,7 @@ def test_non_finite_values_are_skipped(tmp_path):
   assert _scalars(str(tmp_path)) == {"privacy/epsilon_spent": [(1, 0.5)]}
 
 
-TEXT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text")
-
-
-@pytest.mark.skipif(not os.path.isdir(os.path.join(TEXT_DIR, "gpt2")),
-                    reason="shared/data/text is not present")
+@needs_text_data
 def test_the_gpt2_trainer_writes_nll_epsilon_and_learning_rates(tmp_path):
   from dpmuon_jax.text.train import LMTrainConfig, train_lm
   from experiments.text_sweep import TINY_MODEL

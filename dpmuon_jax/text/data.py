@@ -47,6 +47,9 @@ them into this layout, nothing in the library downloads on its own):
   https://github.com/tuetschek/e2e-dataset/releases/download/v1.0.0/e2e-dataset.zip
 * DART v1.1.1 JSON: Yale-LILY/dart, commit 43dde3b4, ``data/v1.1.1/``
   (:data:`DART_URL`), the July 2020 release Li et al. used.
+* GPT-2's BPE files: OpenAI's ``encoder.json`` and ``vocab.bpe`` (:data:`GPT2_BPE_URL`),
+  the files ``tiktoken`` fetches for ``"gpt2"``, checked against its sha256 sums and
+  saved as ``gpt2/vocab.json`` and ``gpt2/merges.txt``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ DART_URL = (
     "https://raw.githubusercontent.com/Yale-LILY/dart/"
     "43dde3b4f6a54efb8241510f47a17895763e5360/data/v1.1.1/dart-v1.1.1-full-{split}.json"
 )
+GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{file}"
+# Local name: (OpenAI's name, sha256), the sums tiktoken checks.
+GPT2_BPE_FILES = {
+    "vocab.json": ("encoder.json",
+                   "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    "merges.txt": ("vocab.bpe",
+                   "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+}
 E2E_SPLITS = {"train": "train", "valid": "valid", "dev": "valid", "validation": "valid",
               "test": "test"}
 DART_SPLITS = {"train": "train", "valid": "dev", "dev": "dev", "validation": "dev",
@@ -216,10 +227,28 @@ def load_text_dataset(name: str, data_dir: str | os.PathLike, split: str) -> Tex
 
 def download_text_data(name: str, data_dir: str | os.PathLike, splits: Sequence[str] = (
     "train", "valid", "test")) -> list[str]:
-  """Fetches the official files of ``name`` into the local layout; returns their paths.
+  """Fetches the official files of ``name`` (``"e2e"``, ``"dart"`` or ``"gpt2"``, the
+  tokenizer's BPE files, which have no splits) into the local layout; returns their paths.
 
   Only for users with internet (never called by the library or its tests).
+
+  Raises:
+    ValueError: a GPT-2 BPE file is not the one tiktoken expects (it is removed).
   """
+  if name == "gpt2":
+    paths = []
+    for local, (remote, sha256) in GPT2_BPE_FILES.items():
+      path = os.path.join(data_dir, "gpt2", local)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      urllib.request.urlretrieve(GPT2_BPE_URL.format(file=remote), path)
+      with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+      if digest != sha256:
+        os.remove(path)
+        raise ValueError(f"{GPT2_BPE_URL.format(file=remote)} has sha256 {digest}, "
+                         f"not {sha256}.")
+      paths.append(path)
+    return paths
   url, table, pattern = {
       "e2e": (E2E_URL, E2E_SPLITS, os.path.join("e2e", "src1_{split}.txt")),
       "dart": (DART_URL, DART_SPLITS, os.path.join("dart", "dart-v1.1.1-full-{split}.json")),
