@@ -1,7 +1,7 @@
 """Cost of inner momentum (DP-Muon-IM, K = 0, 1, 2, 4) and DP-Muon-BC.
 
     python benchmarks/bench_inner_momentum.py            # small CNN, B = 1024, microbatch 128
-    python benchmarks/bench_inner_momentum.py --quick    # B = 16; DP-Muon, IM K=1, BC (smoke run)
+    python benchmarks/bench_inner_momentum.py --quick    # B = 8; DP-Muon, IM K=1, BC (smoke run)
     python benchmarks/bench_inner_momentum.py --workload gpt2   # the e2e_cpu_im GPT-2, B = 256
 
 ``--workload gpt2`` times ``GPT2_CPU``, the CPU-scale GPT-2 of
@@ -107,7 +107,7 @@ def _gib(value: float | None) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
-                      help="smoke run (numbers mean nothing): B = 16, microbatch 8, 1 round; "
+                      help="smoke run (numbers mean nothing): B = 8, microbatch 4, 1 round; "
                       "DP-Muon, IM K=1 and BC, DP-Muon's memory only")
   parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn")
   parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
@@ -117,7 +117,7 @@ def main() -> None:
     memory_child(name, int(b), int(mb), workload)
     return
   if args.quick:
-    batch_size, microbatch, rounds = 16, 8, 1
+    batch_size, microbatch, rounds = 8, 4, 1
   elif args.workload == "gpt2":
     batch_size, microbatch, rounds = 256, 64, 3
   else:

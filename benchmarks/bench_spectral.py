@@ -150,7 +150,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="smoke run, its numbers mean nothing: one repeat; Newton–Schulz "
-                      "on 576×64 only; step at B = 16, microbatch 8")
+                      "on 576×64 only; step at B = 8, microbatch 4")
   parser.add_argument("--repeats", type=int, default=None,
                       help="Newton–Schulz timing repeats (default: 21)")
   parser.add_argument("--batch-size", type=int, default=None, help="step batch (default: 1024)")
@@ -159,8 +159,8 @@ def main() -> None:
   parser.add_argument("--skip-step", action="store_true", help="parts 1 and 2 only")
   args = parser.parse_args()
   args.repeats = args.repeats or (1 if args.quick else 21)
-  args.batch_size = args.batch_size or (16 if args.quick else 1024)
-  args.microbatch = args.microbatch or (8 if args.quick else 256)
+  args.batch_size = args.batch_size or (8 if args.quick else 1024)
+  args.microbatch = args.microbatch or (4 if args.quick else 256)
   args.step_repeats = args.step_repeats or (1 if args.quick else 3)
   print(f"jax {jax.__version__}, devices {jax.devices()}")
   bench_newton_schulz(args.repeats, NS_SHAPES[1:2] if args.quick else NS_SHAPES)

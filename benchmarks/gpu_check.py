@@ -2,11 +2,12 @@
 
 1. Newton–Schulz accuracy on the device, float32 (default and HIGHEST matmul
    precision; GPUs may use TF32 by default) and bfloat16, against the float64
-   numpy reference U · p^{∘5}(Σ/‖M‖_F) · Vᵀ; plus the device time per call.
+   numpy reference U · p^{∘5}(Σ/‖M‖_F) · Vᵀ; plus the device time per call
+   (``--quick``: 576×64 only).
 2. DP-Muon / DP-SGD on a WRN-16-4 parameter tree (2.7M parameters):
    the optimizer update alone (release + post-processing on a clipped sum),
    and a full private step (per-example gradients, clipping, release, update).
-   (``--quick``: the small CNN's tree, and its step at B = 16.)
+   (``--quick``: the small CNN's tree, and its step at B = 8.)
 3. GPT-2 small (124M, tapped for ghost clipping), B = 64 × T = 128 tokens:
    the non-private step, then DP-SGD and DP-Muon with ghost clipping, then
    DP-SGD with per-example gradients (microbatches of 16): tokens/s, the
@@ -226,8 +227,8 @@ def main() -> int:
   start = time.perf_counter()
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
   if args.quick:
-    shapes, repeats, gpt2_repeats = [(256, 256), (576, 64)], 1, 1
-    tree, step_args = ("cnn", "small CNN"), ("cnn", 16, 8, 1)
+    shapes, repeats, gpt2_repeats = [(576, 64)], 1, 1
+    tree, step_args = ("cnn", "small CNN"), ("cnn", 8, 4, 1)
   else:
     shapes, repeats = [(576, 64), (1024, 1024), (4096, 1024), (4096, 4096)], 20
     gpt2_repeats, tree, step_args = 5, ("wrn16_4", "WRN-16-4"), ("wrn16_4", 1024, 256, 5)
