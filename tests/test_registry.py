@@ -11,6 +11,7 @@ names, but not a mapping keyed by them, e.g. learning rates).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import jax.numpy as jnp
@@ -176,6 +177,33 @@ def test_build_overrides_the_preset_options():
   assert opt.release.noise_multiplier == 1.0  # without reference_noise_rescaling
   with pytest.raises(ValueError, match="kappa"):
     registry.build("dp_disk_muon", None, RELEASE, kappa=3.0)
+
+
+
+def test_every_entry_knows_its_options_and_its_presets_use_only_them():
+  """Each factory declares where its ``**options`` go, so every option is known."""
+  for name, entry in registry.OPTIMIZERS.items():
+    accepted = registry.option_names(name)
+    assert accepted is not None, name
+    assert not accepted & set(registry.RUN_SETTINGS), name
+    for workload, start in entry.presets.items():
+      assert set(start.kwargs) <= accepted, (name, workload)
+  assert registry.option_names("dp_sgd") == {"momentum", "nesterov"}
+  assert {"history", "decay", "beta", "fallback"} <= registry.option_names("dp_muon_im")
+  assert {"gamma", "kappa", "reference_noise_rescaling"} <= registry.option_names("dp_disk_muon")
+
+
+def test_run_settings_and_unknown_options_are_refused_in_one_line():
+  release_names = {f.name for f in dataclasses.fields(ReleaseSettings)}
+  assert set(registry.RUN_SETTINGS) == {"learning_rate", *release_names}
+  for name in release_names:
+    with pytest.raises(ValueError, match=f"^options: '{name}' is a privacy setting"):
+      registry.build("dp_muon", None, RELEASE, **{name: None})
+  with pytest.raises(ValueError, match="dp_muon_s takes no option 'attention_blocks'; its "
+                                       "options: beta, buffer, exact_svd, fallback, mu_dtype"):
+    registry.build("dp_muon_s", None, RELEASE, attention_blocks="fused")
+  with pytest.raises(ValueError, match="^kwargs: dp_adam takes no option 'momentum'"):
+    registry.check_options("dp_adam", {"momentum": 0.9}, "kwargs")
 
 
 # ------------------------------------------------------------ a new optimizer: one entry

@@ -60,7 +60,14 @@ import optax
 
 from dpmuon_jax import checks
 from dpmuon_jax.optimizers.muon import muon, routed_post_processing
-from dpmuon_jax.optimizers.options import FEED, REPLACE, Composition, Fallback, NewtonSchulz
+from dpmuon_jax.optimizers.options import (
+    FEED,
+    REPLACE,
+    Composition,
+    Fallback,
+    NewtonSchulz,
+    forwards_options,
+)
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.disk_query import (
@@ -105,6 +112,7 @@ def disk_query_spec(kappa: float, gamma: float) -> QuerySpec:
   )
 
 
+@forwards_options(routed_post_processing)
 def _replacing_muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -169,6 +177,7 @@ def doppler_sgd(
   return optax.chain(low_pass_filter(a, b, bias_correction), optax.sgd(learning_rate))
 
 
+@forwards_options(muon, _replacing_muon)
 def disk_muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -198,6 +207,7 @@ def disk_muon(
   )
 
 
+@forwards_options(muon, _replacing_muon)
 def doppler_muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -222,6 +232,7 @@ def doppler_muon(
   )
 
 
+@forwards_options()  # to post_processing: each caller declares it with its own
 def _disk_private(
     post_processing: Callable[..., optax.GradientTransformation],
     learning_rate: optax.ScalarOrSchedule,
@@ -239,6 +250,7 @@ def _disk_private(
   return private(release, post, query=disk_query_spec(kappa, gamma))
 
 
+@forwards_options(_disk_private, disk_sgd)
 def dp_disk_sgd(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
@@ -268,6 +280,7 @@ def dp_disk_sgd(
   return _disk_private(disk_sgd, learning_rate, release, **options)
 
 
+@forwards_options(doppler_sgd)
 def dp_doppler_sgd(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
@@ -284,6 +297,7 @@ def dp_doppler_sgd(
   return private(release, doppler_sgd(learning_rate, **options))
 
 
+@forwards_options(_disk_private, disk_muon)
 def dp_disk_muon(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
@@ -300,6 +314,7 @@ def dp_disk_muon(
   return _disk_private(disk_muon, learning_rate, release, **options)
 
 
+@forwards_options(doppler_muon)
 def dp_doppler_muon(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,

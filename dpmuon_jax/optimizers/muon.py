@@ -50,6 +50,7 @@ from dpmuon_jax.optimizers.options import (
     Fallback,
     FallbackKind,
     NewtonSchulz,
+    forwards_options,
 )
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
@@ -173,6 +174,7 @@ def muon(
   )
 
 
+@forwards_options(routed_post_processing)
 def muon_s(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -206,6 +208,7 @@ def muon_s(
   return routed_post_processing(post, learning_rate, **groups)
 
 
+@forwards_options(muon)
 def dp_muon(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
@@ -232,6 +235,7 @@ def dp_muon(
   return private(release, muon(learning_rate, **options))
 
 
+@forwards_options(muon_s)
 def dp_muon_s(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,

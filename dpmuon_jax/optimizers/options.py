@@ -15,12 +15,18 @@ meaningless option is refused before any optimizer exists:
 Mode names are ``Literal`` types, each defined once: those of the transforms
 and of the release where they are used (re-exported here), those of the
 optimizers below.
+
+A factory that passes ``**options`` on declares where with
+:func:`forwards_options`, so :func:`keyword_options` knows every option it
+takes (the registry names them when it refuses one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, get_args
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +44,7 @@ __all__ = [
     "ADAMW", "ADD_REMOVE", "ATTENTION_BLOCKS", "EMA", "FEED", "HEAVY_BALL", "PRESETS",
     "QUERY_KINDS", "REPLACE", "REPLACE_ONE", "SGD", "AttentionBlocks", "Buffer", "Composition",
     "Fallback", "FallbackKind", "Neighbouring", "NewtonSchulz", "QueryKind", "Routing",
-    "RoutingPreset",
+    "RoutingPreset", "forwards_options", "keyword_options",
 ]
 
 FallbackKind = Literal["sgd", "adamw"]
@@ -155,3 +161,45 @@ class Fallback:
         momentum=momentum if self.momentum is None else self.momentum,
     )
 
+
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
+_FORWARDS = "_forwards_options"
+
+
+def forwards_options(*targets: Callable[..., Any]) -> Callable[[_Factory], _Factory]:
+  """Declares that a factory passes its ``**options`` on to ``targets``.
+
+  The factory is returned unchanged; :func:`keyword_options` follows the
+  declaration. ``forwards_options()`` (no target) declares options that go to
+  a function the factory's caller chooses, which that caller declares.
+  """
+
+  def declare(factory: _Factory) -> _Factory:
+    setattr(factory, _FORWARDS, targets)
+    return factory
+
+  return declare
+
+
+def keyword_options(factory: Callable[..., Any]) -> frozenset[str] | None:
+  """The options ``factory`` takes by keyword, with those of every function its
+  ``**options`` reach (:func:`forwards_options`); ``None`` where some
+  ``**options`` go to an undeclared place.
+
+  An option is a keyword-only argument with a default; the positional
+  arguments and the keyword-only ones without a default are the caller's.
+  """
+  parameters = inspect.signature(factory).parameters.values()
+  names = {p.name for p in parameters
+           if p.kind == p.KEYWORD_ONLY and p.default is not p.empty}
+  if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+    return frozenset(names)
+  targets = getattr(factory, _FORWARDS, None)
+  if targets is None:
+    return None
+  for target in targets:
+    reached = keyword_options(target)
+    if reached is None:
+      return None
+    names |= reached
+  return frozenset(names)

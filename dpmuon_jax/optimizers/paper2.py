@@ -27,7 +27,7 @@ import optax
 from dpmuon_jax import checks
 from dpmuon_jax.optimizers.filters import disk_muon, disk_query_spec
 from dpmuon_jax.optimizers.muon import muon, routed_post_processing
-from dpmuon_jax.optimizers.options import Buffer, NewtonSchulz
+from dpmuon_jax.optimizers.options import Buffer, NewtonSchulz, forwards_options
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.composition import substitute_current
@@ -101,6 +101,7 @@ def inner_momentum_spec(
   return QuerySpec(make_query, inputs, terms)
 
 
+@forwards_options(muon)
 def dp_muon_im(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, history: int = 1, decay: float = 0.5,
@@ -145,6 +146,7 @@ def dp_muon_im(
   return private(release, param_history(slots), post, query=query)
 
 
+@forwards_options(disk_muon)
 def dp_disk_muon_im(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, history: int = 1, decay: float = 0.5,
@@ -184,6 +186,7 @@ def dp_disk_muon_im(
   return private(release, param_history(slots), post, query=query)
 
 
+@forwards_options(routed_post_processing)
 def muon_bc(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -237,6 +240,7 @@ def muon_bc(
   return routed_post_processing(post, learning_rate, **groups)
 
 
+@forwards_options(muon_bc)
 def dp_muon_bc(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
@@ -281,6 +285,7 @@ def adam_bc(
   )
 
 
+@forwards_options(adam_bc)
 def dp_adam_bc(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,

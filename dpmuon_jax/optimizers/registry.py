@@ -34,7 +34,7 @@ import optax
 from dpmuon_jax.optimizers.classic import dp_adam, dp_adamw, dp_sgd
 from dpmuon_jax.optimizers.filters import dp_disk_muon, dp_disk_sgd, dp_doppler_muon, dp_doppler_sgd
 from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
-from dpmuon_jax.optimizers.options import QUERY_KINDS, Fallback, QueryKind
+from dpmuon_jax.optimizers.options import QUERY_KINDS, Fallback, QueryKind, keyword_options
 from dpmuon_jax.optimizers.paper2 import dp_adam_bc, dp_disk_muon_im, dp_muon_bc, dp_muon_im
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS
 from dpmuon_jax.privacy.release import PrivateTransformation
@@ -229,6 +229,45 @@ def preset(name: str, workload: str = DEFAULT_WORKLOAD) -> Preset:
   return presets[workload]
 
 
+RUN_SETTINGS: Mapping[str, str] = MappingProxyType({
+    "learning_rate": "the learning rate (a setting of its own)",
+    "l2_clip_norm": "a privacy setting (the clipping norm C)",
+    "noise_multiplier": "a privacy setting (σ, calibrated to the target ε and δ)",
+    "denominator": "a privacy setting (the release's public denominator D)",
+    "key": "a privacy setting (the root key of the noise, from the seed)",
+    "clipping": "a privacy setting (the clipping rule)",
+    "neighbouring": "a privacy setting (the adjacency of the guarantee)",
+})
+"""The arguments a run gives every factory itself (the learning rate and the fields of
+:class:`~dpmuon_jax.optimizers.private.ReleaseSettings`): never options."""
+
+
+def option_names(name: str) -> frozenset[str] | None:
+  """The options ``name``'s factory takes (its own and those of the functions its
+  ``**options`` reach), less :data:`RUN_SETTINGS`; ``None`` if they cannot be known
+  (``**options`` passed on without :func:`~dpmuon_jax.optimizers.options.forwards_options`)."""
+  names = keyword_options(OPTIMIZERS[_known(name)].factory)
+  return None if names is None else names - set(RUN_SETTINGS)
+
+
+def check_options(name: str, options: Mapping[str, Any], source: str = "options") -> None:
+  """Refuses, in one line naming ``source``, an option :func:`build` cannot pass to ``name``.
+
+  A :data:`RUN_SETTINGS` name comes from the run, never from options (the
+  release's privacy settings above all); any other must be one
+  :func:`option_names` lists. ``source``: how the caller's user spells the
+  options (e.g. ``"optimizer_kwargs"``).
+  """
+  accepted = option_names(name)
+  for option in options:
+    if option in RUN_SETTINGS:
+      raise ValueError(f"{source}: {option!r} is {RUN_SETTINGS[option]}, which the run "
+                       f"sets: never an option of {name}.")
+    if accepted is not None and option not in accepted:
+      raise ValueError(f"{source}: {name} takes no option {option!r}; its options: "
+                       f"{', '.join(sorted(accepted)) or 'none'}.")
+
+
 def build(
     name: str,
     learning_rate: optax.ScalarOrSchedule | None,
@@ -244,8 +283,10 @@ def build(
     release_kwargs: ``l2_clip_norm``, ``noise_multiplier``, ``denominator``,
       ``key``, ``clipping`` (``PrivateSetup.release_kwargs``).
     workload: whose preset options (and learning rate) to start from.
-    **overrides: options that replace or extend the preset's.
+    **overrides: options that replace or extend the preset's (refused by
+      :func:`check_options` where the factory would not take them).
   """
   start = preset(name, workload)
+  check_options(name, overrides)
   lr = start.learning_rate if learning_rate is None else learning_rate
   return OPTIMIZERS[name].factory(lr, **release_kwargs, **{**start.kwargs, **overrides})

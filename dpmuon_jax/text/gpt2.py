@@ -32,13 +32,15 @@ never lets a real token see a later padding token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from dpmuon_jax import checks
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
@@ -71,6 +73,26 @@ of them the token embedding), for training from scratch on a CPU."""
 GPT2_CPU = GPT2Config(vocab_size=4096, max_positions=192, dim=64, num_layers=2, num_heads=2)
 """A 2-layer, 64-wide GPT-2 on GPT-2's BPE cut to 4,096 tokens (375k parameters):
 the CPU-scale E2E model of ``experiments/text_configs.py`` (``e2e_cpu_im``)."""
+
+
+def checked_config(base: GPT2Config, overrides: Mapping[str, Any],
+                   source: str = "overrides") -> GPT2Config:
+  """``base`` with the fields ``overrides`` gives, refused in one line naming ``source``
+  where a field is unknown, a size is not a positive integer, ``layer_norm_eps`` is not
+  > 0, or ``dim`` is not a multiple of ``num_heads``: before any parameter exists."""
+  for field, value in overrides.items():
+    if field not in GPT2Config._fields:
+      raise ValueError(f"{source}: GPT-2 has no field {field!r}; its fields: "
+                       f"{', '.join(GPT2Config._fields)}.")
+    if field == "layer_norm_eps":
+      checks.check_positive(f"{source}[{field!r}]", value)
+    else:
+      checks.check_positive_int(f"{source}[{field!r}]", value)
+  config = base._replace(**overrides)
+  if config.dim % config.num_heads:
+    raise ValueError(f"{source}: dim {config.dim} is not divisible by num_heads "
+                     f"{config.num_heads}.")
+  return config
 
 
 class CausalSelfAttention(nnx.Module):

@@ -34,10 +34,32 @@ PyTree = Any
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+_HF_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")  # required sizes
 
 
-def config_from_hf(hf_config: dict[str, Any]) -> GPT2Config:
-  """A :class:`GPT2Config` from the fields of a Hugging Face ``config.json``."""
+def config_from_hf(hf_config: dict[str, Any], source: str = CONFIG_FILE) -> GPT2Config:
+  """A :class:`GPT2Config` from the fields of a Hugging Face ``config.json``.
+
+  Raises:
+    ValueError: ``hf_config`` is not a JSON object, lacks one of GPT-2's
+      fields (``n_embd``, ...), or a size is not a positive integer; the one
+      line names ``source``, the file it was read from.
+  """
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"{source} holds a JSON {type(hf_config).__name__}, not a GPT-2 config "
+                     "object.")
+  missing = [f for f in _HF_FIELDS if f not in hf_config]
+  if missing:
+    raise ValueError(f"{source} lacks GPT-2 field{'s' * (len(missing) > 1)} "
+                     f"{', '.join(map(repr, missing))} (a Hugging Face GPT-2 config.json has "
+                     f"{', '.join(_HF_FIELDS)}).")
+  for field in _HF_FIELDS:
+    value = hf_config[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{source} has {field!r} = {value!r}, not a positive integer.")
+  if hf_config["n_embd"] % hf_config["n_head"]:
+    raise ValueError(f"{source} has 'n_embd' = {hf_config['n_embd']}, not a multiple of "
+                     f"'n_head' = {hf_config['n_head']}.")
   return GPT2Config(
       vocab_size=hf_config["vocab_size"],
       max_positions=hf_config["n_positions"],
@@ -61,14 +83,56 @@ def _qkv(weight: np.ndarray, bias: np.ndarray, j: int, d: int) -> dict[str, np.n
   return {"kernel": weight[:, j * d:(j + 1) * d], "bias": bias[j * d:(j + 1) * d]}
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], config: GPT2Config) -> PyTree:
-  """Maps Hugging Face tensor names to our parameter dict (numpy float32 leaves)."""
+def hf_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+  """The name and shape of every tensor of a Hugging Face GPT-2 of shape ``config``, in order."""
+  d, h = config.dim, config.mlp_dim
+  shapes: dict[str, tuple[int, ...]] = {"wte.weight": (config.vocab_size, d),
+                                        "wpe.weight": (config.max_positions, d)}
+  for i in range(config.num_layers):
+    p = f"h.{i}."
+    shapes.update({
+        p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
+        p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
+        p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
+        p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
+        p + "mlp.c_fc.weight": (d, h), p + "mlp.c_fc.bias": (h,),
+        p + "mlp.c_proj.weight": (h, d), p + "mlp.c_proj.bias": (d,),
+    })
+  shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
+  return shapes
+
+
+def _check_tensors(tensors: dict[str, np.ndarray], config: GPT2Config, source: str) -> None:
+  """Refuses, in one line naming the first, a GPT-2 tensor missing or of another shape."""
+  for name, shape in hf_shapes(config).items():
+    if name not in tensors:
+      raise ValueError(
+          f"{source} lacks GPT-2 tensor {name!r}: expected the Hugging Face GPT-2 layout "
+          "(wte.weight, wpe.weight, h.<i>.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,"
+          "mlp.c_proj}.{weight,bias}, ln_f.{weight,bias}; 'transformer.' prefixes allowed).")
+    if tuple(tensors[name].shape) != shape:
+      raise ValueError(f"{source} has GPT-2 tensor {name!r} of shape "
+                       f"{tuple(tensors[name].shape)}, not {shape} (config.json: {config.dim} "
+                       f"wide, {config.num_layers} layers, {config.vocab_size} tokens, "
+                       f"{config.max_positions} positions).")
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: GPT2Config,
+                   source: str = WEIGHTS_FILE) -> PyTree:
+  """Maps Hugging Face tensor names to our parameter dict (numpy float32 leaves).
+
+  Raises:
+    ValueError: a tensor of :func:`hf_shapes` is missing or of another shape,
+      or a tensor is not GPT-2's; the one line names ``source``, the file the
+      tensors were read from.
+  """
   t = {}
   for name, value in tensors.items():
     name = name.removeprefix("transformer.")
     if name == "lm_head.weight" or name.endswith(_IGNORED_SUFFIXES):
       continue
     t[name] = np.asarray(value, np.float32)
+  _check_tensors(t, config, source)
   d = config.dim
   blocks = {}
   for i in range(config.num_layers):
@@ -89,7 +153,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: GPT2Config) -> PyTree
       "norm": _norm(t.pop("ln_f.weight"), t.pop("ln_f.bias")),
   }
   if t:
-    raise ValueError(f"Unexpected tensors in the checkpoint: {sorted(t)[:8]}")
+    raise ValueError(f"{source} has tensors GPT-2 does not: {sorted(t)[:8]}.")
   return params
 
 
@@ -145,6 +209,9 @@ def load_hf_gpt2(directory: str | os.PathLike) -> tuple[PyTree, GPT2Config]:
   Raises:
     FileNotFoundError: ``model.safetensors`` or ``config.json`` is missing
       (nothing is downloaded; the message says how to get them).
+    ValueError: either file is not what GPT-2 needs (not JSON, not
+      safetensors, a field or a tensor missing, a tensor of another shape),
+      in one line that names it.
   """
   weights = os.path.join(directory, WEIGHTS_FILE)
   config_path = os.path.join(directory, CONFIG_FILE)
@@ -157,8 +224,17 @@ def load_hf_gpt2(directory: str | os.PathLike) -> tuple[PyTree, GPT2Config]:
         "config.json --local-dir DIR`) and pass DIR."
     )
   with requires("text", "Reading Hugging Face weights"):
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-  with open(config_path) as f:
-    config = config_from_hf(json.load(f))
-  return params_from_hf(load_file(weights), config), config
+  with open(config_path, encoding="utf-8") as f:
+    try:
+      hf_config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+      raise ValueError(f"{config_path} is not valid JSON ({error}).") from None
+  config = config_from_hf(hf_config, config_path)
+  try:
+    tensors = load_file(weights)
+  except SafetensorError as error:
+    raise ValueError(f"{weights} is not a readable safetensors file ({error}).") from None
+  return params_from_hf(tensors, config, weights), config

@@ -83,6 +83,7 @@ from dpmuon_jax.text.gpt2 import (
     GPT2_SMALL,
     GPT2_TINY,
     GPT2Config,
+    checked_config,
     gpt2_model,
     lm_loss,
 )
@@ -307,6 +308,9 @@ def validate_config(config: LMTrainConfig) -> None:
   if config.diagnostic_steps and config.optimizer != "dp_muon_im":
     raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
                      "they need optimizer='dp_muon_im'.")
+  registry.check_options(config.optimizer, config.optimizer_kwargs, "optimizer_kwargs")
+  if config.init_weights is None:  # the shape trained from scratch
+    _scratch_config(config)
   if config.clipped_sum_method not in CLIPPED_SUM_METHODS:
     raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got "
                      f"{config.clipped_sum_method!r}.")
@@ -339,6 +343,13 @@ def _model_description(config: LMTrainConfig, gpt2_config: GPT2Config,
                                    "overrides": dict(config.model_overrides)}
 
 
+def _scratch_config(config: LMTrainConfig) -> GPT2Config:
+  """The preset ``config.model`` with ``config.model_overrides``, checked."""
+  if config.model not in MODEL_PRESETS:
+    raise ValueError(f"Unknown model {config.model!r}; choose from {', '.join(MODEL_PRESETS)}.")
+  return checked_config(MODEL_PRESETS[config.model], config.model_overrides, "model_overrides")
+
+
 def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT2Config, bool]:
   """``(apply, params, gpt2_config, pretrained)`` from ``init_weights`` or from scratch."""
   tap = tapped if config.clipped_sum_method != "vmap" else (lambda module: module)
@@ -351,9 +362,7 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
     module = nnx.eval_shape(lambda: GPT2(gpt2_config, rngs=nnx.Rngs(0)))
     apply, _ = gpt2_model(tap(module))
     return apply, params, gpt2_config, True
-  if config.model not in MODEL_PRESETS:
-    raise ValueError(f"Unknown model {config.model!r}; choose from {', '.join(MODEL_PRESETS)}.")
-  gpt2_config = MODEL_PRESETS[config.model]._replace(**config.model_overrides)
+  gpt2_config = _scratch_config(config)
   if gpt2_config.vocab_size != vocab_size:
     gpt2_config = gpt2_config._replace(vocab_size=vocab_size)
   apply, params = gpt2_model(tap(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed))))

@@ -173,6 +173,8 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
     for name, value in optional_positive_ints.items():
       if value is not None:
         checks.check_positive_int(name, value)
+    optimizer_registry.check_options(config.optimizer, config.optimizer_options,
+                                     "optimizer_options")
   except ValueError as error:
     raise TrainingError(str(error)) from None
 
