@@ -187,10 +187,15 @@ def test_psum_of_disjoint_parts_is_the_whole_sum_and_psum_of_copies_is_refused()
     release = _release()
     with pytest.raises(ValueError, match="copies of one sum"):
       release.update(copied, release.init(params), params)
-  # Empty parts (devices with only padding) beside one real part still add.
+  # Empty parts (devices with only padding) beside one real part still add, and so do
+  # equal parts of zero queries (a zero gradient): k copies of the zero sum are the zero sum.
   empty = zeros_clipped_sum(params, C)
   lone = jax.tree.map(lambda *xs: jnp.stack(xs), whole, empty, empty, empty)
   assert bool(_psum_over_lanes(lone).seal_holds())
+  flat = jax.vmap(lambda b, m: clipped_sum(gradient_query(lambda p, b: 0.0 * _loss(p, b)),
+                                           params, b, m, C))(*quarters)
+  assert bool(_psum_over_lanes(flat).seal_holds())
+  assert float(_psum_over_lanes(flat).stats.num_examples) == 16
 
 
 def test_add_disjoint_equals_the_sum_of_the_totals_and_is_released():

@@ -304,7 +304,8 @@ class ClippedSum:
     shares examples) voids the guarantee. If either operand's seal fails, so
     does the result's, and the release refuses it. Two non-empty sums with
     equal seals (a sum and its copy, or the same sum passed twice to a jitted
-    function) are one sum over the same examples: the result's seal fails too.
+    function) are one sum over the same examples: the result's seal fails too
+    (sums of zero queries only excepted: their copies add nothing).
     """
     if not isinstance(other, ClippedSum) or other._rule != self._rule:
       raise ValueError("Only clipped sums with the same clipping rule (bound and grid) can "
@@ -316,24 +317,30 @@ class ClippedSum:
         jax.tree.map(jnp.add, self.total, other.total),
         self.clipping,
         self.stats + other.stats,
-        valid=self.seal_holds() & other.seal_holds() & ~self._same_nonempty_sum(other),
+        valid=self.seal_holds() & other.seal_holds() & ~self._same_nonzero_sum(other),
     )
 
-  def _same_nonempty_sum(self, other: ClippedSum) -> jax.Array:
-    """Whether both seals are equal over ≥ 1 example: a copy of one sum, not a disjoint one
-    (disjoint sums over real examples are bit-identical only if every summed vector is)."""
+  def _same_nonzero_sum(self, other: ClippedSum) -> jax.Array:
+    """Whether both seals are equal and both sums add a nonzero query: a copy of one sum, not
+    a disjoint one (disjoint sums are bit-identical only if every summed vector is).
+
+    Sums of zero queries only (no example, or zero gradients) are never copies that matter:
+    k copies of a zero sum are the zero sum, so they add freely.
+    """
     same = jnp.all(jnp.asarray(self.seal) == jnp.asarray(other.seal))
-    return same & (self.stats.num_examples > 0) & (other.stats.num_examples > 0)
+    return same & (self.stats.norm_max > 0) & (other.stats.norm_max > 0)
 
   def psum(self, axis_name: str) -> ClippedSum:
     """Σ over a mapped axis of per-device sums of DISJOINT rows (max for ``norm_max``).
 
     What it sees: a part whose seal fails breaks the result's seal, and so do
-    two non-empty parts with equal seals, i.e. copies of one sum (a batch
-    replicated over the axis instead of sharded, ``vmap`` over copies): k
-    copies would otherwise be released as a sum over k·n examples with
-    sensitivity C. What it cannot see: parts over overlapping but unequal
-    example sets (the same example on two devices beside different ones);
+    two parts with equal seals that add a nonzero query, i.e. copies of one sum
+    (a batch replicated over the axis instead of sharded, ``vmap`` over
+    copies): k copies would otherwise be released as k times the sum, with
+    noise for sensitivity C. Copies of a sum of zero queries (no example, or
+    zero gradients) are the zero sum and pass. What it cannot see: parts over
+    overlapping but unequal example sets (the same example on two devices
+    beside different ones);
     that the rows are disjoint is the caller's promise, as for
     :meth:`add_disjoint`. Disjoint parts are refused only if bit-identical
     (every summed vector equal), as :meth:`add_disjoint` refuses them.
@@ -344,18 +351,18 @@ class ClippedSum:
     stats = ClipStats(*summed, jax.lax.pmax(s.norm_max, axis_name))  # pyright: ignore[reportCallIssue]
     intact = jax.lax.pmin(self.seal_holds().astype(jnp.int32), axis_name) == 1
     seals = jax.lax.all_gather(jnp.asarray(self.seal), axis_name)
-    counts = jax.lax.all_gather(s.num_examples, axis_name)
-    return _sealed(total, self.clipping, stats, valid=intact & ~_has_copies(seals, counts))
+    adds = jax.lax.all_gather(s.norm_max, axis_name) > 0
+    return _sealed(total, self.clipping, stats, valid=intact & ~_has_copies(seals, adds))
 
   def __repr__(self) -> str:
     return f"ClippedSum(clipping={self.clipping.describe()}, total={self.total!r})"
 
 
-def _has_copies(seals: jax.Array, counts: jax.Array) -> jax.Array:
-  """Whether two of the parts (rows of ``seals``, shape (k, 2)) are non-empty with equal seals."""
+def _has_copies(seals: jax.Array, adds: jax.Array) -> jax.Array:
+  """Whether two parts (rows of ``seals``, shape (k, 2)) that ``adds`` a nonzero query have
+  equal seals."""
   same = jnp.all(seals[:, None, :] == seals[None, :, :], axis=-1)
-  nonempty = counts > 0
-  pairs = same & nonempty[:, None] & nonempty[None, :] & ~jnp.eye(seals.shape[0], dtype=bool)
+  pairs = same & adds[:, None] & adds[None, :] & ~jnp.eye(seals.shape[0], dtype=bool)
   return jnp.any(pairs)
 
 
