@@ -340,9 +340,8 @@ class ClippedSum:
     noise for sensitivity C. Copies of a sum of zero queries (no example, or
     zero gradients) are the zero sum and pass. What it cannot see: parts over
     overlapping but unequal example sets (the same example on two devices
-    beside different ones);
-    that the rows are disjoint is the caller's promise, as for
-    :meth:`add_disjoint`. Disjoint parts are refused only if bit-identical
+    beside different ones); that the rows are disjoint is the caller's
+    promise, as for :meth:`add_disjoint`. Disjoint parts are refused only if bit-identical
     (every summed vector equal), as :meth:`add_disjoint` refuses them.
     """
     s = self.stats
