@@ -24,7 +24,14 @@ Writes into the study's folder:
 * ``predictor.csv``: per B and training length, the recovery-threshold
   prediction next to the observed paired gap (:func:`predictor_rows`), and
   ``predictor_count.csv``, its hits and misses once every point has every
-  reported seed (:func:`predictor_count`);
+  reported seed (:func:`predictor_count`), and ``predictor_vs_cutoff.csv``,
+  the same points scored by the plain batch-size cutoffs "helps iff B ≥ b*"
+  for each b* among the study's batch sizes (:func:`predictor_vs_cutoff`);
+* ``gap_steps.csv``: how the fixed-epoch DP-Muon − DP-SGD gap moves from each
+  batch size to the next, seed by seed (:func:`gap_step_rows`, descriptive:
+  the strict-rise clause of :func:`decision` read step by step), and
+  ``paper1_gaps.csv``, the same clause read on paper 1's own means
+  (:func:`paper1_gap_rows`);
 * ``ablation.csv``: paper 1's ablation table laid out as the paper's, this
   study's test accuracy beside paper 1's (:data:`PAPER1_TABLE`), and
   ``ablation.md``, the same as a Markdown table for the READMEs, and
@@ -372,6 +379,49 @@ def predictor_count(study: Study, table: list[dict]) -> list[dict]:
            "hits": hits if complete else "", "misses": len(table) - hits if complete else ""}]
 
 
+def predictor_vs_cutoff(study: Study, table: list[dict]) -> list[dict]:
+  """The predictor's hits and misses beside those of the plain batch-size cutoff
+  "helps iff B ≥ b*", for each b* among the study's batch sizes, on the same scored
+  points of :func:`predictor_rows` (a hit: the rule's sign is the observed gap's,
+  > 0 vs ≤ 0). Counted, like :func:`predictor_count`, only once the count is complete."""
+  (count,) = predictor_count(study, table)
+  if not count["complete"]:
+    return []
+  out = [{"rule": "recovery-threshold predictor", "b_star": "", "hits": count["hits"],
+          "misses": count["misses"]}]
+  for b_star in sorted({a.batch_size for a in study.arms}):
+    hits = sum((p["batch_size"] >= b_star) == (p["gap"] > 0) for p in table)
+    out.append({"rule": f"helps iff B >= {b_star}", "b_star": b_star, "hits": hits,
+                "misses": len(table) - hits})
+  return out
+
+
+def gap_step_rows(study: Study, rows: list[dict], label: str = "main") -> list[dict]:
+  """:func:`gap_change` of the DP-Muon − DP-SGD gap (arms labelled ``label``) from each
+  batch size to the next, once every batch size has every reported seed."""
+  if not _complete(study, rows, label):
+    return []
+  gaps = muon_gaps(study, rows, label)
+  sizes = sorted(gaps)
+  return [{"label": label, "b_low": low, "b_high": high, **gap_change(gaps[low], gaps[high])}
+          for low, high in zip(sizes, sizes[1:])]
+
+
+def paper1_gap_rows(sizes: tuple[int, ...]) -> list[dict]:
+  """Paper 1's DP-Muon − DP-SGD gap from its table's means (:data:`PAPER1_TABLE`, in
+  points) at each of ``sizes`` it reports, with the step from the previous such B and
+  whether the gap rises strictly over them all: :func:`decision`'s strict-rise clause
+  applied to paper 1's own numbers."""
+  sizes = [b for b in sorted(sizes) if ("dp_muon", b) in PAPER1_TABLE
+           and ("dp_sgd", b) in PAPER1_TABLE]
+  gaps = [round(PAPER1_TABLE["dp_muon", b][0] - PAPER1_TABLE["dp_sgd", b][0], 1) for b in sizes]
+  rises = all(a < b for a, b in zip(gaps, gaps[1:]))
+  return [{"batch_size": b, "dp_muon": PAPER1_TABLE["dp_muon", b][0],
+           "dp_sgd": PAPER1_TABLE["dp_sgd", b][0], "gap_points": g,
+           "step_from_previous_b": "" if i == 0 else round(g - gaps[i - 1], 1),
+           "rises_throughout": rises} for i, (b, g) in enumerate(zip(sizes, gaps))]
+
+
 def complete_arms(study: Study, summary: list[dict]) -> list[dict]:
   """The arms of ``summary`` with every reported seed: the only ones the table and plot
   show, so that a partial mean is never read as the arm's result."""
@@ -470,6 +520,10 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   _write(out, "filter_gaps.csv", filter_gaps)
   verdict = decision(study, rows)  # the rule reads the fixed-epoch ("main") arms only
   _write(out, "decision.csv", [] if verdict is None else [verdict])
+  steps = gap_step_rows(study, rows)
+  _write(out, "gap_steps.csv", steps)
+  if steps:
+    _write(out, "paper1_gaps.csv", paper1_gap_rows(tuple(sorted(muon_gaps(study, rows)))))
   if study.gap_change_rule is not None:
     reference, reference_rows = None, []
     if study.reference is not None:
@@ -495,6 +549,7 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
   _write(out, "predictor.csv", predictions)
   if predictions:
     _write(out, "predictor_count.csv", predictor_count(study, predictions))
+    _write(out, "predictor_vs_cutoff.csv", predictor_vs_cutoff(study, predictions))
 
 
 def _write(out: str, name: str, table: list[dict]) -> None:

@@ -51,8 +51,11 @@ BLEU / ROUGE-L per decoded split, training and whole-run seconds, peak
 memory, the rates), ``<out>/summary.csv`` (mean ± std over seeds, and the
 checkpoint's zero-shot row), ``<out>/pairs.csv`` (inner momentum minus
 DP-Muon per seed) with ``<out>/decision.csv`` (:func:`decide`, or
-:func:`decide_co_primary` where BLEU is co-primary), for runs
-evaluated along the way ``<out>/curves.csv`` and ``valid_nll_curves.png``,
+:func:`decide_co_primary` where BLEU is co-primary) and ``<out>/pair_metrics.csv``
+(every metric of ``pairs.csv`` as paired mean ± SE with each seed's sign,
+:func:`metric_pairs`), for runs evaluated along the way ``<out>/curves.csv``,
+``valid_nll_curves.png`` and ``<out>/curve_pairs.csv`` (each arm minus DP-Muon
+in validation NLL at every evaluated release, :func:`curve_pairs`),
 ``<out>/<metric>_vs_epsilon.png``, for fine-tuning ``<out>/zero_shot.json``
 (the checkpoint before any release: validation NLL and the decoded splits'
 scores, the floor every run should beat) and, for diagnostic runs,
@@ -509,9 +512,13 @@ def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
   if curves and len({c["step"] for c in curves}) > 1:
     write_csv(os.path.join(out, "curves.csv"), curves, CURVE_FIELDS)
     _plot_curves(os.path.join(out, "valid_nll_curves.png"), curves, exp, floor)
+    curve_table = curve_pairs(curves)
+    if curve_table:
+      write_csv(os.path.join(out, "curve_pairs.csv"), curve_table)
   pairs = paired_differences(rows)
   if pairs:
     write_csv(os.path.join(out, "pairs.csv"), pairs)
+    write_csv(os.path.join(out, "pair_metrics.csv"), metric_pairs(pairs))
     rule, fields = ((decide_co_primary, CO_PRIMARY_FIELDS) if exp.bleu_co_primary
                     else (decide, DECISION_FIELDS))
     write_csv(os.path.join(out, "decision.csv"),
@@ -777,6 +784,55 @@ def paired_differences(rows: list[dict]) -> list[dict]:
         if row[metric] != "" and base[metric] != "":
           pair[f"d_{metric}"] = row[metric] - base[metric]
       out.append(pair)
+  return out
+
+
+def _paired_summary(d: list[float]) -> dict:
+  """Paired differences as the READMEs quote them: mean, paired SE (sample std/√n; nan
+  for one seed) and each seed's sign."""
+  se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+  return {"per_seed": " ".join(f"{x:+.4f}" for x in d), "mean": statistics.fmean(d),
+          "paired_se": se, "signs": "".join("+" if x > 0 else "-" if x < 0 else "0" for x in d)}
+
+
+def metric_pairs(pairs: list[dict]) -> list[dict]:
+  """Every metric of :func:`paired_differences` per comparison and ε, seed by seed in seed
+  order: validation NLL (lower is better), test BLEU and ROUGE-L (higher is better), each
+  as paired mean ± SE with the seeds' signs. Descriptive: the verdict is
+  :func:`decide`'s (or :func:`decide_co_primary`'s)."""
+  out = []
+  keys = dict.fromkeys((p["comparison"], p["variant"], p["baseline"], p["target_epsilon"])
+                       for p in pairs)
+  for key in keys:
+    group = sorted((p for p in pairs if (p["comparison"], p["variant"], p["baseline"],
+                                         p["target_epsilon"]) == key), key=lambda p: p["seed"])
+    for metric in PAIRED_METRICS:
+      d = [p[f"d_{metric}"] for p in group if f"d_{metric}" in p]
+      if d:
+        out.append({"comparison": key[0], "variant": key[1], "baseline": key[2],
+                    "target_epsilon": key[3], "metric": metric,
+                    "seeds": " ".join(str(p["seed"]) for p in group if f"d_{metric}" in p),
+                    **_paired_summary(d)})
+  return out
+
+
+def curve_pairs(curves: list[dict], baseline: str = "DP-Muon") -> list[dict]:
+  """Each arm minus ``baseline`` in validation NLL at every release both evaluated, same ε
+  and seed, over at least two seeds: how a paired gap moves with the number of releases."""
+  nll = {(c["variant"], float(c["target_epsilon"]), int(c["seed"]), int(c["step"])):
+         float(c["valid_nll"]) for c in curves}
+  out = []
+  for variant in dict.fromkeys(c["variant"] for c in curves):
+    if variant == baseline:
+      continue
+    for epsilon, step in sorted({(e, t) for v, e, _, t in nll if v == variant}):
+      seeds = sorted(s for v, e, s, t in nll if (v, e, t) == (variant, epsilon, step)
+                     and (baseline, e, s, t) in nll)
+      if len(seeds) < 2:
+        continue
+      d = [nll[variant, epsilon, s, step] - nll[baseline, epsilon, s, step] for s in seeds]
+      out.append({"variant": variant, "baseline": baseline, "target_epsilon": epsilon,
+                  "step": step, "seeds": " ".join(map(str, seeds)), **_paired_summary(d)})
   return out
 
 

@@ -236,6 +236,31 @@ def test_decision_rule_needs_every_seed_negative_and_the_mean_below_two_paired_s
       "helps", "not supported", "not supported"]
 
 
+def test_every_paired_metric_is_summarised_with_its_seeds_signs():
+  """pair_metrics.csv: NLL, BLEU and ROUGE-L each as paired mean ± SE with the signs, so a
+  verdict decided on NLL is never read as one on BLEU."""
+  pairs = [{"comparison": "equal releases", "variant": "IM", "baseline": "DP-Muon",
+            "target_epsilon": 8.0, "seed": s, "d_valid_nll": n, "d_test_bleu": b}
+           for s, n, b in ((39, 0.001, 0.4), (37, -0.001, 0.2), (38, 0.0, 0.3))]
+  nll, bleu = text_sweep.metric_pairs(pairs)
+  assert (nll["metric"], nll["signs"], nll["seeds"]) == ("valid_nll", "-0+", "37 38 39")
+  assert (bleu["metric"], bleu["signs"]) == ("test_bleu", "+++")
+  assert bleu["mean"] == pytest.approx(0.3) and bleu["paired_se"] == pytest.approx(0.1 / 3 ** .5)
+  assert bleu["per_seed"] == "+0.2000 +0.3000 +0.4000"
+
+
+def test_curve_pairs_pair_each_arm_with_dp_muon_at_every_release_both_evaluated():
+  curves = [{"variant": v, "target_epsilon": 1.0, "seed": s, "step": t, "valid_nll": nll}
+            for v, s, t, nll in (("DP-Muon", 37, 50, 2.0), ("DP-Muon", 38, 50, 2.1),
+                                 ("BC", 37, 50, 1.9), ("BC", 38, 50, 2.0),
+                                 ("DP-Muon", 37, 400, 1.5), ("DP-Muon", 38, 400, 1.6),
+                                 ("BC", 37, 400, 1.6), ("BC", 38, 400, 1.7),
+                                 ("BC", 37, 450, 1.6))]  # no DP-Muon at 450: no row
+  early, late = text_sweep.curve_pairs(curves)
+  assert (early["step"], early["signs"], late["step"], late["signs"]) == (50, "--", 400, "++")
+  assert early["mean"] == pytest.approx(-0.1) and late["mean"] == pytest.approx(0.1)
+
+
 def test_decision_rule_names_dp_muon_better_and_the_rates_on_an_edge():
   """The third pre-registered outcome: Δ > 0 on every seed and mean Δ > +2 paired SE."""
   rates = [{"variant": "DP-Muon", "target_epsilon": 8.0, "on_edge": "True"},

@@ -36,6 +36,7 @@ from experiments.study_report import (
     paired_gap_rows,
     predictor_count,
     predictor_rows,
+    predictor_vs_cutoff,
     write_report,
 )
 
@@ -255,6 +256,37 @@ def test_predictor_counts_layers_above_at_init_and_scores_the_sign():
   assert (count["points"], count["complete"], count["hits"], count["misses"]) == (3, True, 2, 1)
   (partial,) = predictor_count(study, [table[256], table[4096]])  # a point still missing
   assert not partial["complete"] and partial["hits"] == partial["misses"] == ""
+
+
+def test_the_predictor_is_scored_beside_every_batch_size_cutoff_on_the_same_points():
+  """predictor_vs_cutoff.csv: a rule "helps iff B ≥ b*" per batch size of the study, scored
+  on the predictor's own points; a predictor no better than some cutoff shows it."""
+  study = _decision_study()
+  rows = _decision_rows(study, {256: (-0.01,) * 3, 1024: (0.01,) * 3, 4096: (0.05,) * 3})
+  report = [{"batch_size": b, "label": "main", "params": "init", "params_from": "initialisation",
+             "above_threshold": i < above} for b, above in ((256, 0), (1024, 2), (4096, 5))
+            for i in range(5)]
+  table = predictor_rows(study, rows, report)
+  scores = [(r["rule"], r["hits"], r["misses"]) for r in predictor_vs_cutoff(study, table)]
+  # The predictor misses B = 1024 (it says "does not help"); the cutoff at 1024 misses nothing.
+  assert scores == [("recovery-threshold predictor", 2, 1), ("helps iff B >= 256", 2, 1),
+                    ("helps iff B >= 1024", 3, 0), ("helps iff B >= 4096", 2, 1)]
+  assert predictor_vs_cutoff(study, table[:2]) == []  # not every point yet: no count
+
+
+def test_gap_steps_read_the_strict_rise_seed_by_seed_and_paper1_fails_it_too():
+  study = _decision_study()
+  rows = _decision_rows(study, {256: (-0.01, -0.02, 0.0), 1024: (-0.02, -0.03, -0.02),
+                                4096: (0.05, 0.06, 0.05)})
+  dip, rise = study_report.gap_step_rows(study, rows)
+  assert (dip["b_low"], dip["b_high"], rise["b_low"], rise["b_high"]) == (256, 1024, 1024, 4096)
+  assert dip["change"] == pytest.approx(-0.04 / 3) and dip["all_negative"]
+  assert rise["direction"] == "rises"
+  assert study_report.gap_step_rows(study, rows[:-1]) == []  # a seed missing: no steps
+  paper = study_report.paper1_gap_rows((256, 1024, 2048, 4096))
+  assert [r["gap_points"] for r in paper] == [-0.4, 3.6, 10.3, 9.4]
+  assert paper[-1]["step_from_previous_b"] == -0.9 and not paper[0]["rises_throughout"]
+  assert all(r["rises_throughout"] for r in study_report.paper1_gap_rows((256, 1024, 2048)))
 
 
 def test_the_threshold_report_needs_no_run_folder_for_the_initialisation(tmp_path):
