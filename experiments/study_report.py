@@ -412,12 +412,12 @@ def paper1_gap_rows(sizes: tuple[int, ...]) -> list[dict]:
   points) at each of ``sizes`` it reports, with the step from the previous such B and
   whether the gap rises strictly over them all: :func:`decision`'s strict-rise clause
   applied to paper 1's own numbers."""
-  sizes = [b for b in sorted(sizes) if ("dp_muon", b) in PAPER1_TABLE
-           and ("dp_sgd", b) in PAPER1_TABLE]
-  gaps = [round(PAPER1_TABLE["dp_muon", b][0] - PAPER1_TABLE["dp_sgd", b][0], 1) for b in sizes]
+  muon, sgd = "dp_muon", "dp_sgd"
+  sizes = [b for b in sorted(sizes) if (muon, b) in PAPER1_TABLE and (sgd, b) in PAPER1_TABLE]
+  gaps = [round(PAPER1_TABLE[muon, b][0] - PAPER1_TABLE[sgd, b][0], 1) for b in sizes]
   rises = all(a < b for a, b in zip(gaps, gaps[1:]))
-  return [{"batch_size": b, "dp_muon": PAPER1_TABLE["dp_muon", b][0],
-           "dp_sgd": PAPER1_TABLE["dp_sgd", b][0], "gap_points": g,
+  return [{"batch_size": b, "muon_accuracy": PAPER1_TABLE[muon, b][0],
+           "sgd_accuracy": PAPER1_TABLE[sgd, b][0], "gap_points": g,
            "step_from_previous_b": "" if i == 0 else round(g - gaps[i - 1], 1),
            "rises_throughout": rises} for i, (b, g) in enumerate(zip(sizes, gaps))]
 

@@ -1,6 +1,8 @@
 """The README's Python examples run as written (scaled down where marked)."""
 
+import csv
 import json
+import math
 import pathlib
 import pickle
 import re
@@ -174,3 +176,143 @@ def test_the_readme_says_how_to_get_the_text_data_and_ci_requires_it(tmp_path, m
   ci = (README.parent / ".ci" / "run").read_text()
   require = ci.index('export DPMUON_REQUIRE_TEXT_DATA="${DPMUON_REQUIRE_TEXT_DATA:-1}"')
   assert require < ci.index("python -m pytest -q -n 2")
+
+
+# ---------------------------------------------------------------------------
+# What the README and the docs say the studies found, against the committed CSVs.
+
+ROOT = README.parent
+RESULTS = ROOT / "experiments" / "results"
+# A comparison word ("better", "behind", ...) says how one arm did against another; the same
+# sentence must say in what (test accuracy, validation NLL, BLEU, ...).
+CLAIMS = re.compile(r"(?<![\w-])(no gain|not supported|better|behind|ahead|beats?)(?![\w-])", re.I)
+METRICS = ("accuracy", "NLL", "BLEU", "ROUGE-L", "loss", "ε", "time", "memory", "nats",
+           "seconds", "GiB", "throughput")
+# What a study line may quote: the result columns of the committed CSVs (a paired gap or
+# mean, its standard error, a change between batch sizes, a summary mean), not the raw rows
+# (runs, curves, pilots, timings, learning-rate grids), whose thousands of values would match
+# almost any number.
+RESULT_COLUMNS = ("gap", "paired_standard_error", "standard_error", "change", "mean",
+                  "paired_se", "gap_points", "step_from_previous_b", "valid_nll_mean",
+                  "test_accuracy_mean", "d_valid_nll_mean", "d_valid_nll_paired_se")
+NUMBER = re.compile(r"(?<![\w.])([+−-]?)(\d+\.\d+|\d+)(?![\w.]*\d)")
+
+
+def _sentences(text: str) -> list[str]:
+  """Prose split into sentences (code blocks dropped; a table cell is a sentence of its own)."""
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  out = []
+  for block in re.split(r"\n\s*\n", text):
+    lines = block.splitlines()
+    if lines and all(line.startswith("|") for line in lines):
+      out += [cell for line in lines for cell in line.split("|")]
+      continue
+    out += re.split(r"(?<=[.!?])\s+(?=[A-Z(`\[])", " ".join(line.strip() for line in lines))
+  return out
+
+
+def unqualified_claims(text: str) -> list[str]:
+  """The sentences that compare (``CLAIMS``) without naming a metric (``METRICS``)."""
+  return [s for s in _sentences(text) if CLAIMS.search(s)
+          and not any(m.lower() in s.lower() for m in METRICS)]
+
+
+def test_every_comparison_in_the_readme_docs_and_optimizer_help_names_its_metric():
+  from dpmuon_jax.optimizers import registry
+
+  pages = {p.name: p.read_text() for p in [README, *sorted((ROOT / "docs").glob("*.md"))]}
+  pages["optimizer summaries"] = "\n\n".join(e.summary + "." for e in registry.OPTIMIZERS.values())
+  bad = {name: unqualified_claims(text) for name, text in pages.items()}
+  assert {name: s for name, s in bad.items() if s} == {}
+  assert unqualified_claims("DP-Muon-IM beats DP-Muon on every seed.")  # the check can fail
+  assert not unqualified_claims("DP-Muon-IM beats DP-Muon in test BLEU on every seed.")
+
+
+def _committed_numbers() -> list[list[float]]:
+  """The result columns of every committed CSV, row by row."""
+  rows = []
+  for path in sorted(RESULTS.rglob("*.csv")):
+    with open(path, newline="") as f:
+      for row in csv.DictReader(f):
+        values = []
+        for column in RESULT_COLUMNS:
+          try:
+            values.append(float(row.get(column) or "nan"))
+          except ValueError:
+            continue
+        if any(not math.isnan(v) for v in values):
+          rows.append(values)
+  return rows
+
+
+def quoted_numbers(text: str) -> list[tuple[str, float, int]]:
+  """The measured numbers of ``text``: those written with a decimal point or a sign (an
+  integer without either is a setting: B = 256, ε = 8, 3 seeds, K = 1, paper 1). Each as
+  (as written, value, decimals), "−" read as minus."""
+  out = []
+  for sign, digits in NUMBER.findall(text):
+    if "." in digits or sign:
+      value = float(digits) * (-1 if sign in "−-" and sign else 1)
+      out.append((sign + digits, value, len(digits.partition(".")[2])))
+  return out
+
+
+def _matches(value: float, decimals: int, signed: bool, v: float) -> bool:
+  """Whether the committed ``v`` rounds to ``value`` at its decimals, as written or as
+  points (the documented conversion: a fraction v is quoted as 100·v points, so 0.0688 is
+  "+6.88"). An unsigned number may quote either sign ("1.50 above", "by 0.094"); a signed
+  one must have the sign of the value it quotes."""
+  tolerance = 0.5 * 10 ** -decimals + 1e-9
+  for shown in (v, 100 * v):
+    if signed and value != 0 and (shown > 0) != (value > 0):
+      continue
+    if abs(abs(shown) - abs(value)) <= tolerance:
+      return True
+  return False
+
+
+def _study_lines(text: str) -> str:
+  """The README's study summary and the measured column of its optimizer table."""
+  section = text[text.index("## What the studies found"):text.index("## More")]
+  table = [line.split("|")[3] for line in text.splitlines()
+           if line.startswith("| `dp_") and line.count("|") >= 4]
+  return section + "\n" + "\n".join(table)
+
+
+def unsupported_numbers(text: str, committed: list[list[float]]) -> list[str]:
+  """The measured numbers of ``text`` no committed row holds. "X ± Y" must be one row's
+  (a mean and its standard error side by side); a lone number, any row's."""
+  bad = []
+  quoted = quoted_numbers(text)
+  pairs = {m.start(1): m for m in re.finditer(r"([+−-]?\d+\.\d+) ± (\d+\.\d+)", text)}
+  spans = [m.start(1) for m in NUMBER.finditer(text)
+           if "." in m.group(2) or m.group(1)]
+  paired_se = {m.start(2) for m in pairs.values()}
+  for start, (written, value, decimals) in zip(spans, quoted):
+    if start in paired_se:
+      continue  # checked with its mean
+    signed = written[0] in "+−-"
+    se = None
+    if start in pairs:
+      se_text = pairs[start].group(2)
+      se = (float(se_text), len(se_text.partition(".")[2]))
+    if not any(any(_matches(value, decimals, signed, v) for v in row)
+               and (se is None or any(_matches(se[0], se[1], False, v) for v in row))
+               for row in committed):
+      bad.append(written if se is None else f"{written} ± {se_text}")
+  return bad
+
+
+def test_every_number_the_readmes_study_lines_quote_is_in_a_committed_csv():
+  committed = _committed_numbers()
+  lines = _study_lines(README.read_text())
+  assert len(quoted_numbers(lines)) > 60
+  assert unsupported_numbers(lines, committed) == []
+  # The check can fail: a gap the CSVs do not hold, or one with the wrong sign.
+  assert unsupported_numbers("+6.93 ± 0.19 points", committed) == ["+6.93 ± 0.19"]
+  assert unsupported_numbers("+6.88 ± 0.21 points", committed) == ["+6.88 ± 0.21"]
+  assert unsupported_numbers("−6.88 points", committed) == ["−6.88"]
+
+
+def test_the_readme_stays_under_250_lines():
+  assert len(README.read_text().splitlines()) <= 250

@@ -181,7 +181,7 @@ OPTIMIZERS: dict[str, Entry] = {
         filters="dp_muon_im"),
     "dp_muon_bc": Entry(
         dp_muon_bc,
-        "DP-Muon-BC: heavy-ball DP-Muon, noise-bias-corrected Newton–Schulz (our estimator)",
+        "DP-Muon-BC: heavy-ball DP-Muon, Newton–Schulz minus its noise bias (a resampled estimate)",
         presets={CIFAR10: Preset(0.02, _fallback(CIFAR10)), GPT2: Preset(0.002, _PAPER2)}),
     "dp_adam_bc": Entry(
         dp_adam_bc, "DP-AdamBC: Adam with the DP-noise variance removed (Tang et al.)",
