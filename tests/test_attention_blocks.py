@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dpmuon_jax.linalg.newton_schulz import NewtonSchulz
 from dpmuon_jax.linalg.newton_schulz import newton_schulz as _newton_schulz
 from dpmuon_jax.linalg.scaling import aspect_factor, matrix_view
 from dpmuon_jax.models.cnn import small_cnn
@@ -121,7 +122,7 @@ def test_fused_block_is_orthogonalised_as_one_d_by_3d_matrix(updates):
   Split's concatenation also has σ = √3 (three orthogonal d × d blocks), but it
   is not the polar factor of [Q | K | V]: only "fused" is.
   """
-  kw = dict(ns_steps=25, ns_coeffs=KIM_FAN_NS_COEFFS)
+  kw = dict(ns=NewtonSchulz(steps=25, coeffs=KIM_FAN_NS_COEFFS))
   updates = {"blocks": {0: {"attn": {n: _attn(updates)[n] for n in QKV}}}}
   qkv = jnp.concatenate([_attn(updates)[n]["kernel"] for n in QKV], axis=1)
   u, _, vt = np.linalg.svd(np.asarray(qkv, np.float64), full_matrices=False)
@@ -206,10 +207,11 @@ def test_bias_correction_sees_the_same_blocks(updates, choice):
   tx = scale_by_bias_corrected_orthogonalization(0.0, 0.95, jax.random.key(0),
                                                  attention_blocks=choice, **kwargs)
   corrected = jax.jit(tx.update)(updates, tx.init(updates))[0]
-  plain = _orthogonalise(updates, attention_blocks=choice, ns_coeffs=KIM_FAN_NS_COEFFS, **kwargs)
+  plain = _orthogonalise(updates, attention_blocks=choice,
+                         ns=NewtonSchulz(coeffs=KIM_FAN_NS_COEFFS), **kwargs)
   for a, b in zip(jax.tree.leaves(corrected), jax.tree.leaves(plain), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  per_leaf = _orthogonalise(updates, ns_coeffs=KIM_FAN_NS_COEFFS)
+  per_leaf = _orthogonalise(updates, ns=NewtonSchulz(coeffs=KIM_FAN_NS_COEFFS))
   assert not np.allclose(_attn(corrected)["query"]["kernel"], _attn(per_leaf)["query"]["kernel"])
 
 

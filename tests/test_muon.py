@@ -14,7 +14,7 @@ from dpmuon_jax.linalg.power_iteration import exact_top_singular, power_iteratio
 from dpmuon_jax.linalg.scaling import aspect_factor, matrix_view
 from dpmuon_jax.optimizers.classic import dp_sgd
 from dpmuon_jax.optimizers.muon import dp_muon, dp_muon_s
-from dpmuon_jax.optimizers.options import Fallback
+from dpmuon_jax.optimizers.options import Fallback, NewtonSchulz
 from dpmuon_jax.privacy.release import dp_release
 from dpmuon_jax.transforms.momentum import muon_momentum
 from dpmuon_jax.transforms.muon import (
@@ -70,7 +70,7 @@ def test_dimension_numbers_override_with_batch_axis():
   view = matrix_view(x.shape, spec)
   assert (view.batch, view.fan_in, view.fan_out) == (3, 8, 12)
   np.testing.assert_array_equal(view.from_matrices(view.to_matrices(x)), x)
-  tx = scale_by_orthogonalization(dimension_numbers={"w": spec})
+  tx = scale_by_orthogonalization(NewtonSchulz(dimension_numbers={"w": spec}))
   out, _ = jax.jit(tx.update)({"w": x}, tx.init({"w": x}))
   factor = math.sqrt(12 / 8)
   for h in range(3):

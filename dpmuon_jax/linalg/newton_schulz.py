@@ -22,6 +22,7 @@ intended form.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple, cast
@@ -29,6 +30,9 @@ from typing import NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dpmuon_jax import checks
+from dpmuon_jax.linalg.scaling import DimensionNumbers
 
 Coeffs = tuple[float, float, float]
 
@@ -163,3 +167,62 @@ def newton_schulz_polynomial(s: jax.Array | np.ndarray, steps: int = 5,
   for a, b, c in schedule:
     s = a * s + b * s**3 + c * s**5
   return s
+
+
+def check_newton_schulz(steps: int, coeffs: CoeffsLike, eps: float) -> None:
+  """Refuses settings that cannot orthogonalise, with a one-line ``ValueError``.
+
+  ``steps`` an int >= 1, ``eps`` > 0 (it keeps X₀ = M / (s‖M‖_F + ε) finite for
+  M = 0), finite coefficients with a safety factor s > 0.
+  """
+  steps = checks.check_positive_int("ns_steps", steps)
+  checks.check_positive("eps", eps)
+  rows, safety = coefficient_schedule(coeffs, steps)
+  for row in rows:
+    for coeff in row:
+      checks.check_finite("ns_coeffs", coeff)
+  checks.check_positive("ns_coeffs safety factor", safety)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewtonSchulz:
+  """NS_K(M): K steps X ← aX + b(XXᵀ)X + c(XXᵀ)²X from X₀ = M / (s‖M‖_F + ε).
+
+  The one object every orthogonalising transform and optimizer takes as
+  ``ns``. Paper 1 (§Method) uses K = 5 with Keller Jordan's (3.4445, −4.7750,
+  2.0315).
+
+  Attributes:
+    steps: K, an int >= 1.
+    coeffs: (a, b, c), one triple per step, or a schedule (see
+      :func:`newton_schulz`); ``None``: the transform's default, Keller
+      Jordan's coefficients (:data:`DEFAULT_NS_COEFFS`), except DP-Muon-BC's
+      convergent quintic
+      (:data:`~dpmuon_jax.transforms.bias_correction.KIM_FAN_NS_COEFFS`).
+    eps: ε > 0, keeps X₀ finite for M = 0.
+    dtype: the dtype the iteration runs in; ``None``: the buffer's.
+    precision: matmul precision of the iteration.
+    dimension_numbers: per-leaf matrix views (:mod:`dpmuon_jax.linalg.scaling`);
+      ``None``: (in…, out) layouts.
+  """
+
+  steps: int = 5
+  coeffs: CoeffsLike | None = None
+  eps: float = 1e-7
+  dtype: jnp.dtype | None = None
+  precision: jax.lax.PrecisionLike = None
+  dimension_numbers: DimensionNumbers = None
+
+  def __post_init__(self):
+    check_newton_schulz(self.steps, DEFAULT_NS_COEFFS if self.coeffs is None else self.coeffs,
+                        self.eps)
+
+  def orthogonalize(self, x: jax.Array,
+                    default_coeffs: CoeffsLike = DEFAULT_NS_COEFFS) -> jax.Array:
+    """NS_K(x) with these settings (``default_coeffs`` where ``coeffs`` is ``None``).
+
+    A method, not ``__call__``: ``optax.inject_hyperparams`` calls every
+    callable argument as a schedule.
+    """
+    coeffs = default_coeffs if self.coeffs is None else self.coeffs
+    return newton_schulz(x, self.steps, coeffs, self.eps, self.dtype, self.precision)

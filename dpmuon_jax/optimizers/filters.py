@@ -132,7 +132,7 @@ def _replacing_muon(
   if fallback.momentum is None:
     fallback = dataclasses.replace(fallback, momentum=0.0)
   post = scale_by_orthogonalization(attention_blocks=attention_blocks,
-                                    attention_heads=attention_heads, **ns.transform_kwargs())
+                                    attention_heads=attention_heads, ns=ns)
   return routed_post_processing(post, learning_rate, fallback=fallback, **groups)
 
 

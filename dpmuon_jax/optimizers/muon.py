@@ -168,7 +168,7 @@ def muon(
   """
   post = scale_by_muon(beta, nesterov=nesterov, mu_dtype=mu_dtype,
                        attention_blocks=attention_blocks, attention_heads=attention_heads,
-                       **ns.transform_kwargs())
+                       ns=ns)
   return routed_post_processing(
       post, learning_rate, weight_decay=weight_decay, routing=routing, fallback=fallback
   )
@@ -203,7 +203,7 @@ def muon_s(
                        f"keeps one state per leaf): {name} is not supported.")
   post = scale_by_muon_s(
       beta, buffer=buffer, power_iterations=power_iterations, exact_svd=exact_svd,
-      mu_dtype=mu_dtype, **ns.transform_kwargs(),
+      mu_dtype=mu_dtype, ns=ns,
   )
   return routed_post_processing(post, learning_rate, **groups)
 

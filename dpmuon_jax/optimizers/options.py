@@ -28,16 +28,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, get_args
 
-import jax
-import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.linalg.newton_schulz import DEFAULT_NS_COEFFS, CoeffsLike
-from dpmuon_jax.linalg.scaling import DimensionNumbers
+from dpmuon_jax.linalg.newton_schulz import NewtonSchulz
 from dpmuon_jax.privacy.release import ADD_REMOVE, REPLACE_ONE, Neighbouring
 from dpmuon_jax.transforms.momentum import EMA, HEAVY_BALL, Buffer
-from dpmuon_jax.transforms.muon import ATTENTION_BLOCKS, AttentionBlocks, check_newton_schulz
+from dpmuon_jax.transforms.muon import ATTENTION_BLOCKS, AttentionBlocks
 from dpmuon_jax.transforms.routing import PRESETS, Routing, RoutingPreset
 
 __all__ = [
@@ -60,49 +57,6 @@ QueryKind = Literal["gradient", "disk", "inner_momentum", "disk_inner_momentum"]
 DiSK's two-point query, inner momentum's average over past states, or both
 (DiSK's query as inner momentum's current term)."""
 QUERY_KINDS: tuple[str, ...] = get_args(QueryKind)
-
-
-@dataclasses.dataclass(frozen=True)
-class NewtonSchulz:
-  """NS_K(M): K steps X ← aX + b(XXᵀ)X + c(XXᵀ)²X from X₀ = M / (s‖M‖_F + ε).
-
-  Paper 1 (§Method) uses K = 5 with Keller Jordan's (3.4445, −4.7750, 2.0315).
-
-  Attributes:
-    steps: K, an int >= 1.
-    coeffs: (a, b, c), one triple per step, or a schedule (see
-      :func:`dpmuon_jax.newton_schulz`); ``None``: the optimizer's default,
-      Keller Jordan's coefficients (:data:`~dpmuon_jax.linalg.newton_schulz.DEFAULT_NS_COEFFS`),
-      except DP-Muon-BC's convergent quintic
-      (:data:`~dpmuon_jax.transforms.bias_correction.KIM_FAN_NS_COEFFS`).
-    eps: ε > 0, keeps X₀ finite for M = 0.
-    dtype: the dtype the iteration runs in; ``None``: the buffer's.
-    precision: matmul precision of the iteration.
-    dimension_numbers: per-leaf matrix views (:mod:`dpmuon_jax.linalg.scaling`);
-      ``None``: (in…, out) layouts.
-  """
-
-  steps: int = 5
-  coeffs: CoeffsLike | None = None
-  eps: float = 1e-7
-  dtype: jnp.dtype | None = None
-  precision: jax.lax.PrecisionLike = None
-  dimension_numbers: DimensionNumbers = None
-
-  def __post_init__(self):
-    coeffs = DEFAULT_NS_COEFFS if self.coeffs is None else self.coeffs
-    check_newton_schulz(self.steps, coeffs, self.eps)
-
-  def transform_kwargs(self, default_coeffs: CoeffsLike = DEFAULT_NS_COEFFS) -> dict[str, Any]:
-    """These settings as the keyword arguments of the ``scale_by_*`` transforms."""
-    return dict(
-        ns_steps=self.steps,
-        ns_coeffs=default_coeffs if self.coeffs is None else self.coeffs,
-        eps=self.eps,
-        dimension_numbers=self.dimension_numbers,
-        ns_dtype=self.dtype,
-        precision=self.precision,
-    )
 
 
 @dataclasses.dataclass(frozen=True)

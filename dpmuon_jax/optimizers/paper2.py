@@ -43,7 +43,6 @@ from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import LossFn, QueryFn, QuerySpec
 from dpmuon_jax.privacy.release import ADD_REMOVE, Neighbouring, PrivateTransformation
 from dpmuon_jax.transforms.bias_correction import (
-  KIM_FAN_NS_COEFFS,
   scale_by_adam_bc,
   scale_by_bias_corrected_orthogonalization,
 )
@@ -234,7 +233,7 @@ def muon_bc(
       scale_by_bias_corrected_orthogonalization(
           noise_std, beta, key, buffer, nesterov, num_samples, antithetic,
           attention_blocks=attention_blocks, attention_heads=attention_heads,
-          **ns.transform_kwargs(KIM_FAN_NS_COEFFS),
+          ns=ns,
       ),
   )
   return routed_post_processing(post, learning_rate, **groups)

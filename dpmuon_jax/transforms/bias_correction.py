@@ -51,10 +51,9 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.linalg.newton_schulz import Coeffs, CoeffsLike, newton_schulz
+from dpmuon_jax.linalg.newton_schulz import Coeffs, NewtonSchulz
 from dpmuon_jax.linalg.scaling import (
     DP_MUON_MAX_ASPECT_RATIO,
-    DimensionNumbers,
     aspect_factor,
     dimension_numbers_fn,
 )
@@ -64,7 +63,6 @@ from dpmuon_jax.transforms.muon import (
     SPLIT,
     AttentionBlocks,
     check_attention_blocks,
-    check_newton_schulz,
     matrix_blocks,
 )
 
@@ -115,12 +113,7 @@ def scale_by_bias_corrected_orthogonalization(
     nesterov: bool = False,
     num_samples: int = 1,
     antithetic: bool = True,
-    ns_steps: int = 5,
-    ns_coeffs: CoeffsLike = KIM_FAN_NS_COEFFS,
-    eps: float = 1e-7,
-    dimension_numbers: DimensionNumbers = None,
-    ns_dtype: jnp.dtype | None = None,
-    precision: jax.lax.PrecisionLike = None,
+    ns: NewtonSchulz = NewtonSchulz(),
     max_aspect_ratio: float | None = DP_MUON_MAX_ASPECT_RATIO,
     attention_blocks: AttentionBlocks = SPLIT,
     attention_heads: int | None = None,
@@ -139,9 +132,9 @@ def scale_by_bias_corrected_orthogonalization(
     num_samples: Monte-Carlo draws of Z per step (pairs ±Z if ``antithetic``);
       cost: 1 + num_samples·(2 if antithetic else 1) Newton–Schulz calls.
     antithetic: use ±Z pairs.
-    ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, max_aspect_ratio: as
-      in :func:`~dpmuon_jax.transforms.muon.scale_by_orthogonalization`,
-      except the default coefficients: :data:`KIM_FAN_NS_COEFFS` (see above).
+    ns, max_aspect_ratio: as in
+      :func:`~dpmuon_jax.transforms.muon.scale_by_orthogonalization`, except the
+      default coefficients (``ns.coeffs=None``): :data:`KIM_FAN_NS_COEFFS` (see above).
     attention_blocks, attention_heads: the blocks F sees, as in
       :func:`~dpmuon_jax.transforms.muon.scale_by_orthogonalization` (a fused q, k, v block
       gets one Z of its own d × 3d shape).
@@ -149,21 +142,23 @@ def scale_by_bias_corrected_orthogonalization(
   checks.check_nonnegative("noise_std", noise_std)
   checks.check_in_range("beta", beta, 0.0, 1.0, high_inclusive=False)
   checks.check_positive_int("num_samples", num_samples)
-  check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
+  if max_aspect_ratio is not None:
+    checks.check_positive("max_aspect_ratio", max_aspect_ratio)
   check_attention_blocks(attention_blocks, attention_heads)
   buffer_noise_variance(1, beta, buffer, nesterov)  # validate eagerly
   pp_key, _ = stream_key(key, "postprocessing")
-  spec_fn = dimension_numbers_fn(dimension_numbers)
+  spec_fn = dimension_numbers_fn(ns.dimension_numbers)
   signs = (1.0, -1.0) if antithetic else (1.0,)
 
-  def ns(x):
-    return newton_schulz(x, ns_steps, ns_coeffs, eps, ns_dtype, precision)
+  def orthogonalize(x):
+    return ns.orthogonalize(x, KIM_FAN_NS_COEFFS)
 
   def block_update(m, block_key, s):
     m = m.astype(jnp.promote_types(m.dtype, jnp.float32))
     z = jax.random.normal(block_key, (num_samples,) + m.shape, m.dtype)
-    smoothed = sum(jax.vmap(lambda zi, c=c: ns(m + (c * s) * zi))(z).mean(0) for c in signs)
-    corrected = 2.0 * ns(m) - smoothed / len(signs)
+    smoothed = sum(jax.vmap(lambda zi, c=c: orthogonalize(m + (c * s) * zi))(z).mean(0)
+                   for c in signs)
+    corrected = 2.0 * orthogonalize(m) - smoothed / len(signs)
     return aspect_factor(m.shape[-2], m.shape[-1], max_aspect_ratio) * corrected
 
   def init_fn(params):

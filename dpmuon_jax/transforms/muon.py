@@ -53,12 +53,7 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.linalg.newton_schulz import (
-    DEFAULT_NS_COEFFS,
-    CoeffsLike,
-    coefficient_schedule,
-    newton_schulz,
-)
+from dpmuon_jax.linalg.newton_schulz import NewtonSchulz
 from dpmuon_jax.linalg.power_iteration import exact_top_singular, power_iteration
 from dpmuon_jax.linalg.scaling import (
     DP_MUON_MAX_ASPECT_RATIO,
@@ -219,33 +214,14 @@ def matrix_blocks(
   return MatrixBlocks([block.join([mats[i] for i in block.members]) for block in blocks], unblock)
 
 
-def check_newton_schulz(
-    ns_steps: int, ns_coeffs: CoeffsLike, eps: float, max_aspect_ratio: float | None = None
-) -> None:
-  """Refuses Newton–Schulz settings that cannot orthogonalise, with a one-line ``ValueError``.
-
-  ``ns_steps`` an int >= 1, ``eps`` > 0 (it keeps X₀ = M / (s‖M‖_F + ε)
-  finite for M = 0), finite coefficients with a safety factor s > 0, and
-  ``max_aspect_ratio`` ``None`` or > 0.
-  """
-  steps = checks.check_positive_int("ns_steps", ns_steps)
-  checks.check_positive("eps", eps)
-  rows, safety = coefficient_schedule(ns_coeffs, steps)
-  for row in rows:
-    for coeff in row:
-      checks.check_finite("ns_coeffs", coeff)
-  checks.check_positive("ns_coeffs safety factor", safety)
+def _check_aspect_cap(max_aspect_ratio: float | None) -> None:
+  """``max_aspect_ratio`` is ``None`` (no cap) or > 0, else a one-line ``ValueError``."""
   if max_aspect_ratio is not None:
     checks.check_positive("max_aspect_ratio", max_aspect_ratio)
 
 
 def scale_by_orthogonalization(
-    ns_steps: int = 5,
-    ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
-    eps: float = 1e-7,
-    dimension_numbers: DimensionNumbers = None,
-    ns_dtype: jnp.dtype | None = None,
-    precision: jax.lax.PrecisionLike = None,
+    ns: NewtonSchulz = NewtonSchulz(),
     max_aspect_ratio: float | None = DP_MUON_MAX_ASPECT_RATIO,
     attention_blocks: AttentionBlocks = SPLIT,
     attention_heads: int | None = None,
@@ -257,10 +233,8 @@ def scale_by_orthogonalization(
   block's own shape (d × 3d for a fused q, k, v). Stateless.
 
   Args:
-    ns_steps, ns_coeffs, eps, ns_dtype, precision: see
-      :func:`dpmuon_jax.newton_schulz` (``ns_dtype`` is its ``dtype``).
-    dimension_numbers: per-leaf matrix views (see
-      :mod:`dpmuon_jax.linalg.scaling`); ``None``: (in…, out) layouts.
+    ns: the Newton–Schulz settings (:class:`~dpmuon_jax.linalg.newton_schulz.NewtonSchulz`:
+      steps, coefficients, ε, dtype, precision and the per-leaf matrix views).
     max_aspect_ratio: r_max (4 for DP-Muon); ``None``: no cap.
     attention_blocks: ``"split"`` (default: each of q, k, v on its own),
       ``"fused"`` (one d × 3d matrix, as Hugging Face's ``c_attn``) or
@@ -269,12 +243,12 @@ def scale_by_orthogonalization(
       Post-processing only: the release, clipping and accounting are unchanged.
     attention_heads: H, the number of heads; required by ``"heads"`` only.
   """
-  check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
+  _check_aspect_cap(max_aspect_ratio)
   check_attention_blocks(attention_blocks, attention_heads)
-  spec_fn = dimension_numbers_fn(dimension_numbers)
+  spec_fn = dimension_numbers_fn(ns.dimension_numbers)
 
   def block_update(m):
-    x = newton_schulz(m, ns_steps, ns_coeffs, eps, ns_dtype, precision)
+    x = ns.orthogonalize(m)
     return aspect_factor(m.shape[-2], m.shape[-1], max_aspect_ratio) * x
 
   def update_fn(updates, state, params=None):
@@ -294,12 +268,7 @@ class SpectralScaleState(NamedTuple):
 def scale_by_spectral_orthogonalization(
     power_iterations: int = 3,
     exact_svd: bool = False,
-    ns_steps: int = 5,
-    ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
-    eps: float = 1e-7,
-    dimension_numbers: DimensionNumbers = None,
-    ns_dtype: jnp.dtype | None = None,
-    precision: jax.lax.PrecisionLike = None,
+    ns: NewtonSchulz = NewtonSchulz(),
     max_aspect_ratio: float | None = None,
 ) -> optax.GradientTransformation:
   """Ĝ = σ₁(U) · sqrt(max(1, fan_out/fan_in)) · NS_K(U) for every (rank ≥ 2) leaf U.
@@ -310,8 +279,8 @@ def scale_by_spectral_orthogonalization(
   paper 1 (design 4) states DP-Muon-S.
   """
   checks.check_positive_int("power_iterations", power_iterations)
-  check_newton_schulz(ns_steps, ns_coeffs, eps, max_aspect_ratio)
-  spec_fn = dimension_numbers_fn(dimension_numbers)
+  _check_aspect_cap(max_aspect_ratio)
+  spec_fn = dimension_numbers_fn(ns.dimension_numbers)
 
   def init_leaf(path, p):
     view = _view(path, p, spec_fn)
@@ -329,7 +298,7 @@ def scale_by_spectral_orthogonalization(
     view = _view(path, g, spec_fn)
     m = view.to_matrices(g)
     sigma, u = jax.vmap(top_singular)(m.astype(jnp.promote_types(m.dtype, jnp.float32)), u)
-    x = newton_schulz(m, ns_steps, ns_coeffs, eps, ns_dtype, precision)
+    x = ns.orthogonalize(m)
     scale = aspect_factor(view.fan_in, view.fan_out, max_aspect_ratio)
     out = view.from_matrices((scale * sigma[:, None, None]) * x).astype(g.dtype)
     return out, u.astype(jnp.float32)
@@ -349,12 +318,7 @@ def scale_by_muon(
     beta: float = 0.95,
     *,
     nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
-    eps: float = 1e-7,
-    dimension_numbers: DimensionNumbers = None,
-    ns_dtype: jnp.dtype | None = None,
-    precision: jax.lax.PrecisionLike = None,
+    ns: NewtonSchulz = NewtonSchulz(),
     mu_dtype: jnp.dtype | None = None,
     attention_blocks: AttentionBlocks = SPLIT,
     attention_heads: int | None = None,
@@ -365,16 +329,16 @@ def scale_by_muon(
   coefficients, ε = 1e-7). Learning rate and weight decay are not included:
   chain ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate``.
   The options after ``beta`` are keyword-only: ``optax.contrib.scale_by_muon``
-  orders its positional arguments differently (``ns_coeffs`` first).
+  orders its positional arguments differently (``ns_coeffs`` first); its
+  ``ns_steps``, ``ns_coeffs`` and ``eps`` are ``ns=NewtonSchulz(steps, coeffs,
+  eps)`` here.
   ``attention_blocks``, ``attention_heads``: see
   :func:`scale_by_orthogonalization`; the momentum stays per leaf.
   """
   return optax.chain(
       muon_momentum(beta, nesterov, EMA, mu_dtype),
-      scale_by_orthogonalization(
-          ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision,
-          DP_MUON_MAX_ASPECT_RATIO, attention_blocks, attention_heads,
-      ),
+      scale_by_orthogonalization(ns, DP_MUON_MAX_ASPECT_RATIO, attention_blocks,
+                                 attention_heads),
   )
 
 
@@ -384,12 +348,7 @@ def scale_by_muon_s(
     buffer: Buffer = HEAVY_BALL,
     power_iterations: int = 3,
     exact_svd: bool = False,
-    ns_steps: int = 5,
-    ns_coeffs: CoeffsLike = DEFAULT_NS_COEFFS,
-    eps: float = 1e-7,
-    dimension_numbers: DimensionNumbers = None,
-    ns_dtype: jnp.dtype | None = None,
-    precision: jax.lax.PrecisionLike = None,
+    ns: NewtonSchulz = NewtonSchulz(),
     mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """DP-Muon-S's post-processing: Ĝ = σ₁(M_t)·sqrt(max(1, fan_out/fan_in))·NS_K(M_t).
@@ -404,13 +363,9 @@ def scale_by_muon_s(
       learning rates do not transfer between the two.
     power_iterations: warm-started iterations per step for σ₁.
     exact_svd: compute σ₁ by SVD instead (for checks; slow on large layers).
-    ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype, precision, mu_dtype: as in
-      :func:`scale_by_muon`.
+    ns, mu_dtype: as in :func:`scale_by_muon`.
   """
   return optax.chain(
       muon_momentum(beta, False, buffer, mu_dtype),
-      scale_by_spectral_orthogonalization(
-          power_iterations, exact_svd, ns_steps, ns_coeffs, eps, dimension_numbers, ns_dtype,
-          precision, None,
-      ),
+      scale_by_spectral_orthogonalization(power_iterations, exact_svd, ns, None),
   )

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from dpmuon_jax import checks
+from dpmuon_jax.linalg.newton_schulz import NewtonSchulz
 from dpmuon_jax.linalg.scaling import (
   DimensionNumbers,
   dimension_numbers_fn,
@@ -108,7 +109,8 @@ def selective_orthogonalization(
   checks.check_nonnegative("noise_std", noise_std)
   checks.check_nonnegative("margin", margin)
   _check_test(test)
-  orthogonal = orthogonal or scale_by_orthogonalization(dimension_numbers=dimension_numbers)
+  orthogonal = orthogonal or scale_by_orthogonalization(
+      NewtonSchulz(dimension_numbers=dimension_numbers))
   fallback = fallback or optax.identity()
   spec_fn = dimension_numbers_fn(dimension_numbers)
 
