@@ -154,8 +154,7 @@ OPTIMIZERS: dict[str, Entry] = {
     # DiSK-SGD's η multiplies the filtered gradient (DiSK §3, θ ← θ − ηg_t; DC gain 1), so it
     # lives on plain SGD's scale. Paper 1's 0.01 equals the DiSK authors' CLI default, a step
     # LENGTH there: their KFOptimizer divides g_t by its global norm. Taken as η it left the
-    # small CNN at chance (CIFAR-10, 5,000 images, B = 128, 3 epochs, ε = 4: 9.4 % at 0.01;
-    # 31.8 / 38.2 / 35.1 % at 0.3 / 1 / 3; DP-SGD's preset 35.7 %).
+    # small CNN at chance test accuracy (docs/results.md, "DiSK-SGD's learning rate").
     "dp_disk_sgd": Entry(
         dp_disk_sgd, "DiSK-SGD: Kalman κ=1.5, γ=−1 (paper 1; γ from the DiSK code), SGD-scale η",
         "disk", {CIFAR10: Preset(1.0, _DISK)}, filters="dp_sgd"),
