@@ -128,7 +128,7 @@ def test_bad_train_arguments_exit_nonzero_with_one_line(args, bad_npz, tmp_path,
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--sampling-rate", "0"], "sampling_rate"),
+        (["--sampling-rate", "0"], "--sampling-rate"),
         (["--optimizer", "dp_lion"], "dp_lion"),
         (["--model-overrides", "{not json"], "--model-overrides"),
         (["--mesh", "3x5"], "--mesh: The mesh 3x5 needs positive axis sizes"),
@@ -164,7 +164,7 @@ def test_bad_arguments_in_a_real_process_print_no_traceback(tmp_path):
   )
   assert proc.returncode != 0
   assert "Traceback" not in proc.stderr
-  assert "--epsilon must be > 0" in proc.stderr
+  assert "--epsilon must be a finite number > 0" in proc.stderr
 
 
 def test_ghost_clipping_trains_the_same_model_as_per_example_gradients(tmp_path):
@@ -244,8 +244,8 @@ def test_resume_reuses_the_runs_settings_unless_told_otherwise(tmp_path, capsys)
 
 _BAD_NUMBERS = [
     (["audit", "--epsilon", "-1"], "--epsilon"),
-    (["train", "--fallback-lr", "-0.1"], "--fallback-lr"),
-    (["train", "--fallback-lr", "nan"], "--fallback-lr"),
+    (["train", "--fallback-lr", "-0.1"], "--fallback-learning-rate"),  # the old name parses
+    (["train", "--fallback-learning-rate", "nan"], "--fallback-learning-rate"),
     (["audit", "--epsilon", "inf"], "--epsilon"),
     (["audit", "--delta", "1"], "--delta"),
     (["audit", "--sampling-rate", "2"], "--sampling-rate"),
@@ -254,7 +254,7 @@ _BAD_NUMBERS = [
     (["audit", "--canaries", "1"], "--canaries"),  # needs one included and one excluded
     (["audit", "--steps", "0"], "--steps"),
     (["audit", "--clip", "inf"], "--clip"),
-    (["audit", "--lr", "0"], "--lr"),  # the white-box residual divides by it
+    (["audit", "--lr", "0"], "--learning-rate"),  # the white-box residual divides by it
     (["audit", "--hidden", "-1"], "--hidden"),
     (["audit", "--noise-scale", "nan"], "--noise-scale"),
     (["audit", "--significance", "1"], "--significance"),
@@ -268,7 +268,8 @@ _BAD_NUMBERS = [
       "--epochs", "-5"], "--epochs"),
     (["account", "--epsilon", "4", "--dataset-size", "0", "--batch-sizes", "512",
       "--epochs", "2"], "--dataset-size"),
-    (["account", "--sigma", "inf", "--sampling-rate", "0.01", "--steps", "100"], "--sigma"),
+    (["account", "--sigma", "inf", "--sampling-rate", "0.01", "--steps", "100"],
+     "--noise-multiplier"),
     (["account", "--sigma", "1", "--sampling-rate", "0.01", "--steps", "0"], "--steps"),
     (["account", "--epsilon", "inf", "--sampling-rate", "0.01", "--steps", "100"], "--epsilon"),
     (["account", "--epsilon", "2", "--delta", "1", "--sampling-rate", "0.01", "--steps", "100"],

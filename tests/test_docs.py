@@ -22,7 +22,9 @@ DOCS = ROOT / "docs"
 BUILD_TIMEOUT_S = 300
 # Not API: the command line and its help formatter (documented by `dpmuon --help`) and
 # `python -m` entry points.
-UNDOCUMENTED_MODULES = {"dpmuon_jax.cli", "dpmuon_jax.help_format", "dpmuon_jax.__main__"}
+UNDOCUMENTED_MODULES = {"dpmuon_jax.cli", "dpmuon_jax.help_format", "dpmuon_jax.__main__",
+                        "dpmuon_jax.commands", "dpmuon_jax.commands.account",
+                        "dpmuon_jax.commands.search"}  # the command line's, as cli
 
 
 def _tree(root: pathlib.Path) -> set[str]:

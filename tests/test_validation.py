@@ -220,18 +220,18 @@ def test_check_messages_name_option_value_and_range():
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("learning_rate", math.nan, "--lr"),
-        ("learning_rate", -1.0, "--lr"),
-        ("learning_rate", 0.0, "--lr"),
-        ("warmup_fraction", 1.0, "warmup_fraction"),
-        ("warmup_fraction", -0.1, "warmup_fraction"),
+        ("learning_rate", math.nan, "--learning-rate"),
+        ("learning_rate", -1.0, "--learning-rate"),
+        ("learning_rate", 0.0, "--learning-rate"),
+        ("warmup_fraction", 1.0, "--warmup-fraction"),
+        ("warmup_fraction", -0.1, "--warmup-fraction"),
         ("noise_multiplier", -1.0, "--noise-multiplier"),
         ("noise_multiplier", math.inf, "--noise-multiplier"),
         ("microbatch_size", 0, "--microbatch-size"),
-        ("eval_every", 0, "eval_every"),
-        ("checkpoint_every", -5, "checkpoint_every"),
+        ("eval_every", 0, "--eval-every"),
+        ("checkpoint_every", -5, "--checkpoint-every"),
         ("max_steps", 2.5, "--max-steps"),
-        ("model_seed", 0.5, "model_seed"),
+        ("model_seed", 0.5, "--model-seed"),
         ("seed", math.nan, "--seed"),
         ("devices", 0, "--devices"),
         ("epsilon", math.nan, "--epsilon"),
@@ -240,14 +240,21 @@ def test_check_messages_name_option_value_and_range():
         ("clip", math.nan, "--clip"),
     ],
 )
-def test_train_config_refuses_bad_values_before_any_work(tmp_path, tiny_data, field, value, match):
+def test_train_config_refuses_bad_values_when_it_is_made(tmp_path, field, value, match):
   out = tmp_path / "run"
   settings = dict(model="mlp", dataset="tiny", optimizer="dp_sgd", batch_size=16, epochs=2,
                   seed=3, output_dir=str(out), progress=False, plot=False)
-  config = TrainConfig(**{**settings, field: value})
-  with pytest.raises(TrainingError, match=match) as info:
+  message = _refused(match, TrainConfig, **{**settings, field: value})
+  assert message.startswith(f"{match} must be")
+  assert not out.exists()
+
+
+def test_a_batch_larger_than_the_data_is_refused_before_any_work(tmp_path, tiny_data):
+  out = tmp_path / "run"
+  config = TrainConfig(model="mlp", dataset="tiny", optimizer="dp_sgd", batch_size=10**6,
+                       output_dir=str(out), progress=False, plot=False)
+  with pytest.raises(TrainingError, match="--batch-size must be in"):
     train(config, tiny_data)
-  assert "\n" not in str(info.value)
   assert not out.exists()
 
 
@@ -266,7 +273,8 @@ def _lm_config(**kw) -> LMTrainConfig:
     ],
 )
 def test_lm_config_refuses_bad_values(field, value):
-  _refused(field, validate_config, _lm_config(**{field: value}))
+  flag = "--" + field.replace("_", "-")
+  assert _refused(flag, _lm_config, **{field: value}).startswith(f"{flag} must be")
 
 
 def test_lm_config_defaults_are_valid():
@@ -281,7 +289,7 @@ def test_cli_reports_a_bad_learning_rate_in_one_line(tmp_path, capsys, lr):
   code = main(["train", "--lr", lr, "--output-dir", str(out), "--no-progress", "--no-plot"])
   err = capsys.readouterr().err
   assert code != 0
-  assert err.count("\n") == 1 and "--lr" in err and "Traceback" not in err
+  assert err.count("\n") == 1 and "--learning-rate" in err and "Traceback" not in err
   assert not out.exists()
 
 

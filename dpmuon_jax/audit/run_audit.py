@@ -161,16 +161,17 @@ def check_config(config: AuditConfig) -> None:
   checks.check_in_range("--sampling-rate", config.sampling_rate, 0.0, 1.0, False, True)
   checks.check_positive_int("--steps", config.steps)
   checks.check_positive("--clip", config.clip)
-  checks.check_positive("--lr", config.learning_rate)  # the white-box residual divides by it
+  checks.check_positive("--learning-rate", config.learning_rate)  # the white-box residual
+  # divides by it
   checks.check_positive_int("--hidden", config.hidden)
   checks.check_nonnegative("--noise-scale", config.noise_scale)
   checks.check_in_range("--significance", config.significance, 0.0, 1.0, False, False)
   if config.microbatch_size is not None:
-    checks.check_positive_int("microbatch_size", config.microbatch_size)
+    checks.check_positive_int("--microbatch-size", config.microbatch_size)
   for flag, seed in (("--seed", config.seed), ("--audit-seed", config.audit_seed)):
     if seed is not None:
       checks.check_int(flag, seed)
-  checks.check_nonnegative_int("model_seed", config.model_seed)
+  checks.check_nonnegative_int("--model-seed", config.model_seed)
 
 
 def audit(config: AuditConfig) -> dict:
@@ -248,6 +249,10 @@ accountant, to show that the audit catches such a bug.
 """
 
 
+def _optional_int(text: str) -> int | None:
+  return None if text.lower() == "none" else int(text)
+
+
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog=prog or "python -m dpmuon_jax.audit.run_audit",
                               description=_DESCRIPTION, formatter_class=HelpFormatter)
@@ -264,18 +269,22 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                  help="Poisson sampling rate q")
   p.add_argument("--steps", type=int, default=d.steps, help="T, the number of releases")
   p.add_argument("--clip", type=float, default=d.clip, help="per-example L2 clipping norm C")
-  p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate,
-                 help="SGD learning rate")
+  p.add_argument("--learning-rate", "--lr", dest="learning_rate", type=float,
+                 default=d.learning_rate, help="SGD learning rate")
   p.add_argument("--hidden", type=int, default=d.hidden, help="width of the MLP's hidden layer")
   p.add_argument("--noise-scale", type=float, default=d.noise_scale,
                  help="multiply the release's σ (not the accountant's): 0 or 0.5 simulate bugs")
   p.add_argument("--significance", type=float, default=d.significance,
                  help="ε̂ holds with confidence 1 - significance")
-  p.add_argument("--data", default=None,
+  p.add_argument("--dataset", "--data", dest="data", default=None,
                  help="an .npz with x_train, y_train, e.g. MNIST (default: the embedded digits)")
   p.add_argument("--seed", type=int, default=None, help="run seed (default: OS entropy)")
   p.add_argument("--audit-seed", dest="audit_seed", type=int, default=None,
                  help="canary seed, kept apart from the run's (default: OS entropy)")
+  p.add_argument("--microbatch-size", type=_optional_int, default=d.microbatch_size,
+                 help="accumulate the clipped sum in chunks of this many rows ('none': all)")
+  p.add_argument("--model-seed", type=int, default=d.model_seed,
+                 help="public initialisation seed (and the black-box canaries' picks)")
   return p
 
 

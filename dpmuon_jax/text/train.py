@@ -64,8 +64,6 @@ from dpmuon_jax.distributed.sharding import parse_mesh_shape
 from dpmuon_jax.models.taps import tapped
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.optimizers.options import Fallback
-from dpmuon_jax.privacy.accounting import RDP
-from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
@@ -93,6 +91,14 @@ from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.training.driver import Run, run_task
 from dpmuon_jax.training.loop import LoopState
 from dpmuon_jax.training.records import write_csv
+from dpmuon_jax.training.settings import (
+    PrivacySettings,
+    RunControl,
+    RunSettings,
+    in_unit_interval,
+    redefault,
+    setting,
+)
 from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms.history import ordered_history
 
@@ -119,8 +125,26 @@ class DiagnosticProbe(Protocol):
     ...
 
 
-@dataclasses.dataclass(frozen=True)
-class LMTrainConfig:
+def _gpt2_optimizer(flag: str, name: str) -> str:
+  """A registered optimizer with a ``"gpt2"`` preset."""
+  try:
+    registry.preset(name, registry.GPT2)
+  except ValueError as error:
+    raise ValueError(f"{flag}: {error}") from None
+  return name
+
+
+def _steps(flag: str, steps: tuple[int, ...]) -> tuple[int, ...]:
+  """Release indices (ints >= 0)."""
+  return tuple(checks.check_nonnegative_int(flag, step) for step in steps)
+
+
+def _positive_int(help: str, default: int | None = None) -> Any:
+  return setting(default, help=help, check=checks.check_positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMTrainConfig(RunSettings):
   """One private GPT-2 run on E2E or DART.
 
   Attributes:
@@ -174,146 +198,67 @@ class LMTrainConfig:
       device of every process.
   """
 
-  data_dir: str
-  dataset: str = "e2e"
-  output_dir: str = "runs/lm"
-  tokenizer_dir: str | None = None
-  init_weights: str | None = None
-  model: str = "gpt2"
-  model_overrides: dict = dataclasses.field(default_factory=dict)
-  vocab_size: int | None = None
-  max_length: int = 128
-  optimizer: str = "dp_muon_im"
-  optimizer_kwargs: dict = dataclasses.field(default_factory=dict)
-  learning_rate: float = 0.002
-  fallback_learning_rate: float = 0.0035
-  epsilon: float = 8.0
-  delta: float = 1e-5
-  sampling_rate: float = 1 / 41
-  steps: int = 410
-  denominator: float | None = 1025.0
-  clip: float = 1.0
-  accountant: str = RDP
-  seed: int | None = None
-  model_seed: int = 0
-  microbatch_size: int | None = None
-  clipped_sum_method: str = "vmap"
-  train_split: str = "train"
-  train_subset: int | None = None
-  public_slice: int | None = None
-  capacity: int | None = None
-  eval_every: int | None = None
-  eval_pairs: int | None = None
-  eval_batch_size: int = 64
-  generate_splits: tuple[str, ...] = ("valid", "test")
-  generate_groups: int | None = None
-  beam_size: int = 1
-  max_new_tokens: int = 64
-  diagnostic_steps: tuple[int, ...] = ()
-  diagnostic_examples: int = 32
-  log_dir: str | None = None  # TensorBoard event files (the tensorboard extra); None: none
-  mesh: str | None = None  # "DATAxMODEL" over all devices; None: one device
-  devices: int | None = None  # data-parallel devices; None or 1: one (all, with several processes)
-  resume: bool = False
-  max_steps: int | None = None  # stop early (e.g. smoke tests); the ledger stays exact
-  checkpoint_every: int | None = None  # releases; None: once per epoch (round(1/q))
-  log_clip_stats: bool = False
-  progress: bool = False
-  plot: bool = False
-
-
-FLAG_HELP = {
-    "data_dir": "folder with e2e/, dart/ and gpt2/ (text.data's layout)",
-    "dataset": "e2e or dart",
-    "output_dir": "the run's folder: results.json, history.csv, export/ (public), and the "
-                  "secret checkpoints and release journal",
-    "tokenizer_dir": "GPT-2's vocab.json and merges.txt (default: DATA_DIR/gpt2)",
-    "init_weights": "a local Hugging Face GPT-2 folder to fine-tune (default: from scratch)",
-    "model": f"from-scratch shape: {', '.join(MODEL_PRESETS)}",
-    "model_overrides": "GPT2Config fields over the shape, as JSON",
-    "vocab_size": "keep GPT-2's first V BPE tokens (from scratch; default: all)",
-    "max_length": "tokens per source || target pair",
-    "optimizer": "a name with a GPT-2 preset (dp_muon_im, dp_muon, dp_muon_bc, ...)",
-    "optimizer_kwargs": "keyword arguments of the optimizer, as JSON (e.g. history, decay)",
-    "learning_rate": "Muon group's constant rate",
-    "fallback_learning_rate": "AdamW group's constant rate (embeddings, head, 1-D leaves)",
-    "epsilon": "target ε of the whole run",
-    "delta": "target δ",
-    "sampling_rate": "Poisson sampling rate q",
-    "steps": "T, the number of releases σ is calibrated for",
-    "denominator": "public denominator D of the release ('none': qN)",
-    "clip": "per-example L2 clipping norm C",
-    "accountant": "rdp or pld",
-    "seed": "makes noise and sampling reproducible (recorded as seeded); default: OS entropy",
-    "model_seed": "public initialisation seed (from scratch)",
-    "microbatch_size": "accumulate the clipped sum in chunks of this many rows (default: the "
-                       "whole padded batch at once, which for GPT-2 needs far more memory than "
-                       "a CPU has: pass e.g. 32)",
-    "clipped_sum_method": "vmap, ghost or automatic",
-    "train_split": "the split trained on (not valid nor a --generate-splits one: they are "
-                   "scored)",
-    "train_subset": "train on the first n pairs only (N is then n)",
-    "public_slice": "E2E: drop the public restaurants (hash of the name mod this) everywhere",
-    "capacity": "rows of each padded Poisson batch (default: mean + 6 sd)",
-    "eval_every": "validation NLL every this many releases (default: at the end)",
-    "eval_pairs": "validation pairs scored (default: all)",
-    "eval_batch_size": "pairs per validation batch",
-    "generate_splits": "splits decoded and scored at the end, comma-separated ('' for none)",
-    "generate_groups": "sources decoded per split (default: all)",
-    "beam_size": "1: greedy decoding",
-    "max_new_tokens": "decoding length cap",
-    "diagnostic_steps": "NON-PRIVATE polar-error / clipping-residual probe at these releases",
-    "diagnostic_examples": "training pairs of the probe batch",
-    "log_dir": "also write TensorBoard event files here (the tensorboard extra)",
-    "mesh": "DATAxMODEL over all devices (every process's): matrices split over model",
-    "devices": "data-parallel over this many devices (several processes: all of them)",
-    "resume": "continue (or finish) the run in --output-dir with its recorded settings",
-    "max_steps": "stop after this many releases (smoke runs); the ledger stays exact",
-    "checkpoint_every": "releases between checkpoints (default: one epoch, round(1/q))",
-    "log_clip_stats": "log clip fraction and gradient norms (NON-private statistics)",
-    "progress": "show a progress bar",
-    "plot": "draw curves.png (matplotlib)",
-}
-"""One line of ``dpmuon train-lm --help`` per :class:`LMTrainConfig` field."""
-
-
-_POSITIVE_INTS = ("steps", "max_length", "eval_batch_size", "beam_size", "max_new_tokens",
-                  "diagnostic_examples")
-_OPTIONAL_POSITIVE_INTS = ("vocab_size", "microbatch_size", "train_subset", "public_slice",
-                           "capacity", "eval_every", "eval_pairs", "generate_groups", "devices",
-                           "max_steps", "checkpoint_every")
+  data_dir: str = setting(help="folder with e2e/, dart/ and gpt2/ (text.data's layout)")
+  dataset: str = setting("e2e", choices=("e2e", "dart"), help="e2e or dart")
+  output_dir: str = redefault(RunControl, "output_dir", "runs/lm")
+  tokenizer_dir: str | None = setting(
+      None, help="GPT-2's vocab.json and merges.txt (default: DATA_DIR/gpt2)")
+  init_weights: str | None = setting(
+      None, help="a local Hugging Face GPT-2 folder to fine-tune (default: from scratch)")
+  model: str = setting(  # checked with the shape, from scratch only: _scratch_config
+      "gpt2", help=f"from-scratch shape: {', '.join(MODEL_PRESETS)}")
+  model_overrides: dict = setting(default_factory=dict,
+                                  help="GPT2Config fields over the shape, as JSON")
+  vocab_size: int | None = _positive_int(
+      "keep GPT-2's first V BPE tokens (from scratch; default: all)")
+  max_length: int = _positive_int("tokens per source || target pair", 128)
+  optimizer: str = setting(
+      "dp_muon_im", check=_gpt2_optimizer,
+      help="a name with a GPT-2 preset (dp_muon_im, dp_muon, dp_muon_bc, ...)")
+  optimizer_kwargs: dict = setting(  # checked with the optimizer: registry.check_options
+      default_factory=dict,
+      help="keyword arguments of the optimizer, as JSON (e.g. history, decay)")
+  learning_rate: float = setting(0.002, check=checks.check_positive, aliases=("--lr",),
+                                 help="Muon group's constant rate")
+  fallback_learning_rate: float = setting(
+      0.0035, check=checks.check_positive, aliases=("--fallback-lr",),
+      help="AdamW group's constant rate (embeddings, head, 1-D leaves)")
+  epsilon: float = redefault(PrivacySettings, "epsilon", 8.0)
+  sampling_rate: float = setting(1 / 41, check=in_unit_interval,
+                                 help="Poisson sampling rate q")
+  steps: int = _positive_int("T, the number of releases σ is calibrated for", 410)
+  denominator: float | None = setting(1025.0, check=checks.check_positive,
+                                      help="public denominator D of the release ('none': qN)")
+  train_split: str = setting("train", help="the split trained on (not valid nor a "
+                             "--generate-splits one: they are scored)")
+  train_subset: int | None = _positive_int("train on the first n pairs only (N is then n)")
+  public_slice: int | None = _positive_int(
+      "E2E: drop the public restaurants (hash of the name mod this) everywhere")
+  capacity: int | None = _positive_int("rows of each padded Poisson batch (default: mean + 6 sd)")
+  eval_pairs: int | None = _positive_int("validation pairs scored (default: all)")
+  eval_batch_size: int = _positive_int("pairs per validation batch", 64)
+  generate_splits: tuple[str, ...] = setting(
+      ("valid", "test"),
+      help="splits decoded and scored at the end, comma-separated ('' for none)")
+  generate_groups: int | None = _positive_int("sources decoded per split (default: all)")
+  beam_size: int = _positive_int("1: greedy decoding", 1)
+  max_new_tokens: int = _positive_int("decoding length cap", 64)
+  diagnostic_steps: tuple[int, ...] = setting(
+      (), check=_steps, help="NON-PRIVATE polar-error / clipping-residual probe at these releases")
+  diagnostic_examples: int = _positive_int("training pairs of the probe batch", 32)
+  progress: bool = redefault(RunControl, "progress", False)
+  plot: bool = redefault(RunControl, "plot", False)
 
 
 def validate_config(config: LMTrainConfig) -> None:
-  """Refuses settings that would make the run meaningless, in one line, before anything loads."""
-  checks.check_positive("learning_rate", config.learning_rate)
-  checks.check_positive("fallback_learning_rate", config.fallback_learning_rate)
-  checks.check_positive("epsilon", config.epsilon)
-  checks.check_in_range("delta", config.delta, 0.0, 1.0, False, False)
-  checks.check_in_range("sampling_rate", config.sampling_rate, 0.0, 1.0, low_inclusive=False)
-  checks.check_positive("clip", config.clip)
-  if config.denominator is not None:
-    checks.check_positive("denominator", config.denominator)
-  checks.check_int("model_seed", config.model_seed)
-  if config.seed is not None:
-    checks.check_int("seed", config.seed)
-  for name in _POSITIVE_INTS:
-    checks.check_positive_int(name, getattr(config, name))
-  for name in _OPTIONAL_POSITIVE_INTS:
-    if getattr(config, name) is not None:
-      checks.check_positive_int(name, getattr(config, name))
-  for step in config.diagnostic_steps:
-    checks.check_nonnegative_int("diagnostic_steps", step)
-  registry.preset(config.optimizer, registry.GPT2)  # refuses optimizers without one
+  """Refuses, in one line and before anything loads, what the fields' own checks cannot
+  see: fields together, the optimizer's options and the model's shape."""
   if config.diagnostic_steps and config.optimizer != "dp_muon_im":
     raise ValueError("diagnostic_steps compare inner momentum with the current-only query: "
                      "they need optimizer='dp_muon_im'.")
   registry.check_options(config.optimizer, config.optimizer_kwargs, "optimizer_kwargs")
   if config.init_weights is None:  # the shape trained from scratch
     _scratch_config(config)
-  if config.clipped_sum_method not in CLIPPED_SUM_METHODS:
-    raise ValueError(f"clipped_sum_method must be one of {CLIPPED_SUM_METHODS}, got "
-                     f"{config.clipped_sum_method!r}.")
   if config.mesh is not None:
     parse_mesh_shape(config.mesh)
   if config.train_split == "valid" or config.train_split in config.generate_splits:

@@ -28,10 +28,9 @@ and the same for both:
   state the search's ε (:func:`~dpmuon_jax.training.export.certified`), and a
   resume without the record is refused.
 
-A task's ``config`` is a dataclass with the run-control fields this module
-reads: ``output_dir``, ``resume``, ``seed``, ``epsilon``, ``delta``, ``max_steps``,
-``eval_every``, ``checkpoint_every``, ``progress``, ``plot``, ``log_dir``,
-``log_clip_stats``, ``devices`` and ``mesh``.
+A task's ``config`` is a :class:`~dpmuon_jax.training.settings.RunSettings`
+(its privacy settings and run control, each field checked when it is made)
+with the task's own fields.
 """
 
 from __future__ import annotations
@@ -112,6 +111,7 @@ from dpmuon_jax.training.loop import (
     run_releases,
 )
 from dpmuon_jax.training.records import write_csv
+from dpmuon_jax.training.settings import RunSettings
 from dpmuon_jax.training.step import PrivateStep, StepOutput
 from dpmuon_jax.training.tracking import history_tags, tensorboard_writer
 
@@ -178,7 +178,11 @@ class Run(NamedTuple):
 class Task(Protocol):
   """What a private training run trains: its settings, private data, model and outputs."""
 
-  config: Any  # a dataclass with the run-control fields of the module docstring
+  @property
+  def config(self) -> RunSettings:
+    """The run's settings: the shared ones, and the task's own fields (fingerprinted too)."""
+    ...
+
   # Config fields that change only what is evaluated or decoded, never a release.
   evaluation_fields: ClassVar[tuple[str, ...]]
 
@@ -196,7 +200,7 @@ class Task(Protocol):
     ...
 
 
-def run_fingerprint(config, data_sha256: str, stream: np.ndarray,
+def run_fingerprint(config: RunSettings, data_sha256: str, stream: np.ndarray,
                     evaluation_fields: Sequence[str] = ()) -> str:
   """A digest of everything that determines the releases of a run, the data included.
 
@@ -312,7 +316,7 @@ class _Placed(NamedTuple):
   search: dict | None = None
 
 
-def _train_mesh(config, num_devices: int) -> Mesh | None:
+def _train_mesh(config: RunSettings, num_devices: int) -> Mesh | None:
   """``--mesh DATAxMODEL`` over every device, else the data mesh of ``--devices`` (or none)."""
   if config.mesh is None:
     return data_mesh(num_devices) if num_devices > 1 else None
@@ -334,7 +338,7 @@ def _check_layouts(mesh: Mesh | None, params: PyTree) -> None:
       raise TrainingError(f"--mesh: {error}") from None
 
 
-def _num_devices(config) -> int:
+def _num_devices(config: RunSettings) -> int:
   """``--devices`` (default 1); with several processes, every device of every process."""
   if is_multi_process():
     if config.devices not in (None, jax.device_count()):
@@ -752,8 +756,8 @@ def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop
   return results
 
 
-def _results(config, placed: _Placed, ledger: PrivacyLedger, stop_reason, seconds: float,
-             cpu_seconds: float, steps_run: int, seeded) -> dict:
+def _results(config: RunSettings, placed: _Placed, ledger: PrivacyLedger, stop_reason,
+             seconds: float, cpu_seconds: float, steps_run: int, seeded) -> dict:
   """What every run reports: the guarantee spent (:func:`~dpmuon_jax.training.export.
   certified`: its search's, if it was made in one), how it was made, and its cost."""
   run = placed.run

@@ -27,14 +27,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from dpmuon_jax import checks
 from dpmuon_jax.data.augment import augment
 from dpmuon_jax.data.images import ImageDataset, normalize
-from dpmuon_jax.data.loaders import load_dataset
+from dpmuon_jax.data.loaders import TFDS_NAMES, load_dataset
 from dpmuon_jax.distributed.mesh import shard_batch, sharded_capacity
-from dpmuon_jax.models.registry import model_and_loss
+from dpmuon_jax.models.registry import MODEL_NAMES, model_and_loss
 from dpmuon_jax.optimizers import registry as optimizer_registry
 from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name
-from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 from dpmuon_jax.privacy.keys import RootKey, stream_key
 from dpmuon_jax.privacy.setup import make_private
 from dpmuon_jax.training.driver import (
@@ -46,64 +46,73 @@ from dpmuon_jax.training.driver import (
     run_task,
 )
 from dpmuon_jax.training.journal import JOURNAL_NAME
+from dpmuon_jax.training.settings import RunSettings, setting
 from dpmuon_jax.training.step import make_private_step
 
 PyTree = Any
 
-__all__ = ["JOURNAL_NAME", "RESULTS_NAME", "ImageTask", "TrainConfig", "TrainingError",
-           "evaluation_fn", "recorded_config", "run_fingerprint", "train"]
+__all__ = ["JOURNAL_NAME", "RESULTS_NAME", "TRAIN_BATCH_SIZE", "ImageTask", "TrainConfig",
+           "TrainingError", "evaluation_fn", "recorded_config", "run_fingerprint", "train"]
 
 
-@dataclasses.dataclass
-class TrainConfig:
-  """Settings of one private training run; most fields are ``dpmuon train`` flags.
+TRAIN_BATCH_SIZE = 256
+"""The expected batch size of every command that trains images (train, tune, compare)."""
 
-  ``--lr`` / ``--fallback-lr`` set ``learning_rate`` / ``fallback_learning_rate``,
-  ``--no-progress`` / ``--no-plot`` turn ``progress`` / ``plot`` off; the
-  fields without a flag (``optimizer_options``, ``model_overrides``,
-  ``eval_every``, ...) are for code and the experiment configs.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig(RunSettings):
+  """Settings of one private training run; each field is the ``dpmuon train`` flag of its name.
 
   ``batch_size`` is the EXPECTED batch size qN of Poisson sampling and the
   release denominator D. ``learning_rate=None`` takes the optimizer's paper
-  preset. ``seed=None`` draws noise and sampling randomness from OS entropy;
-  a seed makes the run reproducible and is recorded as seeded.
+  preset. The shared fields (ε, δ, C, seed, output and resume) are
+  :class:`~dpmuon_jax.training.settings.RunSettings`; every field is checked
+  when the config is made.
   """
 
-  model: str = "cnn"
-  dataset: str = "digits"
-  data_dir: str | None = None
-  optimizer: str = "dp_muon"
-  optimizer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"weight_decay": 0.01}
-  epsilon: float = 4.0
-  delta: float = 1e-5
-  batch_size: int = 256
-  epochs: float = 10.0
-  learning_rate: float | None = None
-  fallback_learning_rate: float | None = None  # Muon family: the 1-D group's peak η′
-  warmup_fraction: float = 0.05
-  clip: float = 1.0
-  clipping: str = "flat"  # one of privacy.clipping.CLIPPING_STYLES, all with total bound clip
-  noise_multiplier: float | None = None  # None: calibrate to (epsilon, delta)
-  seed: int | None = None
-  output_dir: str = "runs/dpmuon"
-  resume: bool = False
-  microbatch_size: int | None = None
-  clipped_sum_method: str = "vmap"  # "vmap", "ghost" or "automatic" (privacy.ghost)
-  augment: bool = False
-  eval_every: int | None = None  # steps; None: once per epoch
-  checkpoint_every: int | None = None  # steps; None: once per epoch
-  log_clip_stats: bool = False
-  accountant: str = "rdp"
-  max_steps: int | None = None  # stop early (e.g. smoke tests); the ledger stays exact
-  progress: bool = True
-  plot: bool = True
-  model_seed: int = 0  # public initialisation seed
-  devices: int | None = None  # data-parallel devices; None or 1: one device
-  mesh: str | None = None  # "DATAxMODEL" over all devices: state split over model (sharding.py)
-  model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"groups": 8}
-  init_weights: str | None = None  # msgpack of a params dict (flax.serialization); None: scratch
-  secure_noise: bool = False  # exact discrete Gaussian noise from OS entropy (one device)
-  log_dir: str | None = None  # TensorBoard event files (the tensorboard extra); None: none
+  model: str = setting("cnn", choices=MODEL_NAMES, help="cnn: the small benchmark CNN; wrn16_4, "
+                       "wrn28_10, resnet18 (GroupNorm); vit_small (LayerNorm)")
+  dataset: str = setting("digits", help="'digits' (embedded, no download), a TFDS name "
+                         f"({', '.join(TFDS_NAMES)}), or a path to an .npz with x_train, "
+                         "y_train, x_test, y_test")
+  data_dir: str | None = setting(None, help="TFDS data directory")
+  optimizer: str = setting(
+      "dp_muon", choices=lambda: tuple(optimizer_registry.OPTIMIZERS),  # as registered now
+      help="a registered optimizer (dpmuon train --help lists them)")
+  optimizer_options: dict = setting(  # checked with the optimizer: registry.check_options
+      default_factory=dict, help="keyword arguments of the optimizer, as JSON "
+      "(e.g. {\"weight_decay\": 0.01})")
+  batch_size: int = setting(
+      TRAIN_BATCH_SIZE, check=checks.check_positive_int,
+      help="expected batch size qN of Poisson sampling (also the noise denominator)")
+  epochs: float = setting(10.0, check=checks.check_positive, help="length of the run in passes "
+                          "over the training set: about epochs/q releases of Poisson-sampled "
+                          "batches")
+  learning_rate: float | None = setting(  # 0 is refused: it would silently mean the preset
+      None, check=checks.check_positive, aliases=("--lr",),
+      help="peak learning rate (default: the optimizer's paper preset)")
+  fallback_learning_rate: float | None = setting(
+      None, check=checks.check_nonnegative, aliases=("--fallback-lr",),
+      help="Muon family: peak learning rate of the group Muon does not take (biases, norm "
+      "scales), on the same schedule (default: the preset's, DP-SGD's rate)")
+  warmup_fraction: float = setting(
+      0.05, check=lambda flag, v: checks.check_in_range(flag, v, 0.0, 1.0, True, False),
+      help="linear warm-up over this fraction of the run, then cosine decay")
+  clipping: str = setting("flat", choices=CLIPPING_STYLES,
+                          help="how each example is scaled to norm ≤ C: one flat clip, per layer "
+                          "(C/√L each), automatic (C·g/(‖g‖+0.01)), or automatic per layer")
+  noise_multiplier: float | None = setting(
+      None, check=checks.check_nonnegative, aliases=("--sigma",),
+      help="fix σ instead of calibrating it; the run stops before ε would exceed --epsilon")
+  augment: bool = setting(False, help="random crop and flip per example")
+  model_overrides: dict = setting(
+      default_factory=dict, help="model constructor arguments, as JSON (e.g. {\"groups\": 8})")
+  init_weights: str | None = setting(
+      None, help="public pretrained weights (flax.serialization msgpack of the params dict) to "
+      "fine-tune from; default: from scratch")
+  secure_noise: bool = setting(
+      False, help="exact discrete Gaussian noise on an integer grid of the clipped sum, from OS "
+      "entropy: resists floating-point attacks; one device; see docs/sharp-edges.md")
 
   def privacy_config(self, dataset_size: int) -> dict:
     """What must not change between a checkpoint and its resumption."""
@@ -124,55 +133,17 @@ class TrainConfig:
 
 
 def _validate(config: TrainConfig, data: ImageDataset) -> None:
-  if not config.epsilon > 0:
-    raise TrainingError(f"--epsilon must be > 0, got {config.epsilon}.")
-  if not 0 < config.delta < 1:
-    raise TrainingError(f"--delta must be in (0, 1), got {config.delta}.")
-  if not 0 < config.batch_size <= data.num_train:
+  """What the fields' own checks cannot see: the data's size, two fields together, the
+  optimizer's options."""
+  if config.batch_size > data.num_train:
     raise TrainingError(
         f"--batch-size must be in [1, {data.num_train}] (the training set size), "
         f"got {config.batch_size}."
     )
-  if config.optimizer not in optimizer_registry.OPTIMIZERS:
-    raise TrainingError(
-        f"Unknown optimizer {config.optimizer!r}; choose from "
-        f"{', '.join(optimizer_registry.OPTIMIZERS)}."
-    )
-  if config.clipped_sum_method not in CLIPPED_SUM_METHODS:
-    raise TrainingError(f"--clipped-sum-method must be one of {', '.join(CLIPPED_SUM_METHODS)}, "
-                        f"got {config.clipped_sum_method!r}.")
   if config.secure_noise and config.clipped_sum_method != "vmap":
     raise TrainingError("--secure-noise rounds every clipped query to its grid, which ghost "
                         "clipping never forms: use --clipped-sum-method vmap.")
-  if config.clipping not in CLIPPING_STYLES:
-    raise TrainingError(
-        f"--clipping must be one of {', '.join(CLIPPING_STYLES)}, got {config.clipping!r}."
-    )
-  from dpmuon_jax import checks
-
-  optional_positive_ints = {
-      "--microbatch-size": config.microbatch_size,
-      "eval_every": config.eval_every,
-      "checkpoint_every": config.checkpoint_every,
-      "--max-steps": config.max_steps,
-      "--devices": config.devices,
-  }
   try:
-    checks.check_positive("--epochs", config.epochs)
-    checks.check_positive("--clip", config.clip)
-    if config.learning_rate is not None:  # 0 is refused: it would silently mean the preset
-      checks.check_positive("--lr", config.learning_rate)
-    if config.fallback_learning_rate is not None:
-      checks.check_nonnegative("--fallback-lr", config.fallback_learning_rate)
-    checks.check_in_range("warmup_fraction", config.warmup_fraction, 0.0, 1.0, True, False)
-    if config.noise_multiplier is not None:
-      checks.check_nonnegative("--noise-multiplier", config.noise_multiplier)
-    if config.seed is not None:
-      checks.check_int("--seed", config.seed)
-    checks.check_int("model_seed", config.model_seed)
-    for name, value in optional_positive_ints.items():
-      if value is not None:
-        checks.check_positive_int(name, value)
     optimizer_registry.check_options(config.optimizer, config.optimizer_options,
                                      "optimizer_options")
   except ValueError as error:
