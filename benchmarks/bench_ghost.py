@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
-from _peak_rss import peak_rss_gib, reset_peak_rss
+from _peak_memory import peak_rss_gib, reset_peak_rss
 from flax import nnx
 
 from dpmuon_jax.models.taps import tapped

@@ -15,7 +15,7 @@ post-processing) on :func:`dpmuon_jax.models.cnn.small_cnn` (CIFAR-shaped):
 * step time: minimum over interleaved rounds (the cores are shared), and its
   ratio to DP-Muon's; IM costs K + 1 gradient evaluations per example;
 * memory, in a fresh child process per optimizer: the peak resident set size
-  of one compiled step (``_peak_rss.reset_peak_rss`` after compilation, as in the
+  of one compiled step (``_peak_memory.reset_peak_rss`` after compilation, as in the
   other benchmarks: the compiler's freed heap is trimmed, then Linux's VmHWM is
   reset), XLA's temporary buffers, and the optimizer state (IM keeps K copies of
   the parameters).
@@ -30,7 +30,7 @@ import sys
 import time
 
 import jax
-from _peak_rss import peak_rss_gib, reset_peak_rss
+from _peak_memory import peak_rss_gib, reset_peak_rss
 from flax import nnx
 
 from dpmuon_jax.models.cnn import small_cnn

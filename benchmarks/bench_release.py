@@ -34,7 +34,7 @@ import time
 
 import jax
 import optax
-from _peak_rss import peak_rss_gib, reset_peak_rss
+from _peak_memory import peak_rss_gib, reset_peak_rss
 
 from dpmuon_jax.models.cnn import small_cnn
 from dpmuon_jax.models.common import classification_loss

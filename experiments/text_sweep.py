@@ -78,6 +78,7 @@ import shutil
 import statistics
 import time
 
+from benchmarks._peak_memory import ReleaseMemory
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe, ProtocolRow, summarise_protocol
 from dpmuon_jax.extras import MissingExtraError, pyplot
 from dpmuon_jax.optimizers import registry
@@ -461,7 +462,7 @@ def _record_rate(out: str, exp: TextExperiment, variant: Variant, epsilon: float
 def in_own_process(fn, *args):
   """``fn(*args)`` in a fresh (spawned) process: its result, or its exception re-raised.
 
-  A run's peak memory (:func:`dpmuon_jax.text.train.peak_memory`: the process's
+  A run's peak memory (:func:`benchmarks._peak_memory.peak_memory`: the process's
   peak RSS and the device's peak allocation, neither of which can be reset) is
   then its own, not the sweep's peak so far, and the sweep's process never
   initialises a backend, so it holds no accelerator memory a run needs.
@@ -486,9 +487,12 @@ def _prepare(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
 
 
 def _train(config: LMTrainConfig) -> dict:
-  """One run (with paper 2's probe where it has diagnostic steps); plain-Python results."""
-  results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None)
-  return json.loads(json.dumps(results, default=float))
+  """One run (with paper 2's probe where it has diagnostic steps) and its peak memory
+  (:class:`benchmarks._peak_memory.ReleaseMemory`); plain-Python results."""
+  memory = ReleaseMemory(config.steps)
+  results = train_lm(config, probe=InnerMomentumProbe() if config.diagnostic_steps else None,
+                     callbacks=[memory])
+  return json.loads(json.dumps({**results, **memory.summary()}, default=float))
 
 
 def _write_summaries(exp: TextExperiment, out: str, rows: list[dict],
@@ -928,7 +932,8 @@ def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
             init_weights=gpt2_dir, steps=releases + 1, eval_every=1, eval_pairs=1,
             generate_splits=(), clipped_sum_method=method, microbatch_size=microbatch)
         shutil.rmtree(config.output_dir, ignore_errors=True)  # an earlier measurement's files
-        results = train_lm(config)
+        memory = ReleaseMemory(config.steps)
+        train_lm(config, callbacks=[memory])
         with open(os.path.join(config.output_dir, "history.csv")) as f:
           history = list(csv.DictReader(f))
         shutil.rmtree(os.path.join(config.output_dir, "checkpoints"))  # SECRET: the root key
@@ -939,7 +944,7 @@ def measure(exp: TextExperiment, out: str, data_dir: str, gpt2_dir: str | None,
                      "first_release_seconds": seconds[0],
                      "release_seconds": (seconds[-1] - seconds[0]) / releases,
                      "release_cpu_seconds": (cpu[-1] - cpu[0]) / releases,
-                     "timed_releases": releases, "peak_rss_gib": results["peak_rss_gib"],
+                     "timed_releases": releases, "peak_rss_gib": memory.summary()["peak_rss_gib"],
                      "load_average_1min": os.getloadavg()[0]})
         print(json.dumps(rows[-1]), flush=True)
         _append_dict(os.path.join(out, "release_times.csv"), rows[-1])

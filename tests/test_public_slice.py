@@ -121,7 +121,7 @@ class _RateTrainer:
   def __init__(self, best: dict[str, float]):
     self.best, self.calls = best, []
 
-  def __call__(self, config, probe=None):
+  def __call__(self, config, probe=None, callbacks=()):
     os.makedirs(config.output_dir, exist_ok=True)
     self.calls.append((config.optimizer, config.seed, config.steps, config.learning_rate))
     nll = 2.0 + math.log2(config.learning_rate / self.best[config.optimizer]) ** 2
@@ -313,7 +313,7 @@ def test_paper2_regime_experiment_is_the_preregistered_design():
 class _ScoringTrainer(_RateTrainer):
   """_RateTrainer that also decodes: test BLEU 40 − 10·(NLL − 2), ROUGE-L 50."""
 
-  def __call__(self, config, probe=None):
+  def __call__(self, config, probe=None, callbacks=()):
     results = super().__call__(config, probe)
     if config.generate_splits:
       results["scores"] = {"test": {"bleu": 40 - 10 * (results["valid_nll"] - 2),

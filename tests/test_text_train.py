@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from text_folder import TEXT_DIR, needs_text_data
 
+from benchmarks._peak_memory import ReleaseMemory, peak_rss_gib
 from dpmuon_jax.analysis.polar_metrics import InnerMomentumProbe
 from dpmuon_jax.privacy.accounting import compute_epsilon
 from dpmuon_jax.text.data import encode_pairs, load_text_dataset
 from dpmuon_jax.text.hf_weights import save_hf_gpt2
 from dpmuon_jax.text.metrics import mean_token_nll
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
-from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, peak_rss_gib, train_lm
+from dpmuon_jax.text.train import LMTrainConfig, lm_optimizer, load_model, train_lm
 from dpmuon_jax.training.checkpoint import latest_good_step
 from dpmuon_jax.training.export import load_exported
 from dpmuon_jax.training.journal import JOURNAL_NAME, read_journal
@@ -82,8 +83,10 @@ def _tiny_config(tmp_path, **kw) -> LMTrainConfig:
 @needs_text_data
 def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
   config = _tiny_config(tmp_path)
-  results = train_lm(config)
+  memory, calls = ReleaseMemory(config.steps), []
+  results = train_lm(config, callbacks=[memory, calls.append])
   assert results["releases"] == 3 and not results["pretrained"]
+  assert calls == [1, 2, 3]  # each callback, once after each release
   assert results["train_pairs"] == 64 and results["denominator"] == 8.0
   # The ledger's ε is the accountant's for (q, σ, T) and within the target.
   expected = compute_epsilon(results["noise_multiplier"], 0.125, 3, config.delta)
@@ -95,7 +98,7 @@ def test_train_lm_accounts_every_release_and_writes_its_results(tmp_path):
   cpu = [float(r["cpu_seconds"]) for r in history]
   assert 0 < cpu[0] < cpu[1] < cpu[2] <= results["train_cpu_seconds"]
   # The steady-state peak (releases 2..T, after the reset) is within the run's own peak.
-  assert 0 < results["steady_peak_rss_gib"] <= results["peak_rss_gib"]
+  assert 0 < memory.summary()["steady_peak_rss_gib"] <= memory.summary()["peak_rss_gib"]
   assert np.isfinite(results["valid_nll"]) and results["valid_nll"] > 0
   assert results["scores"]["test"]["groups"] == 2
   assert np.isfinite(results["scores"]["test"]["bleu"])
@@ -317,7 +320,7 @@ class _FakeTrainer:
   def __init__(self, fail_at: int | None = None):
     self.calls, self.fail_at, self.leftovers = [], fail_at, []
 
-  def __call__(self, config, probe=None):
+  def __call__(self, config, probe=None, callbacks=()):
     marker = os.path.join(config.output_dir, "partial")
     self.leftovers.append(os.path.exists(marker))
     os.makedirs(config.output_dir, exist_ok=True)
@@ -460,18 +463,23 @@ def test_cli_tiny_run_of_the_pretrained_cpu_experiment_and_its_rerun(tmp_path, m
   assert fake.calls == [] and text_sweep.read_rows(str(tmp_path / "runs.csv")) == rows
 
 
-def test_a_resumed_process_resets_its_peak_after_its_own_first_release():
-  """The steady-state peak of a resumption leaves out its compilation too."""
-  from dpmuon_jax.text.train import _note_first_release
-
-  noted: list = []
-  _note_first_release(5, 8, noted)  # a resumption at step 4: its first release
-  assert len(noted) == 1 and noted[0] > 0  # the peak so far, and the reset worked
-  _note_first_release(6, 8, noted)
-  assert len(noted) == 1
-  last: list = []
-  _note_first_release(8, 8, last)  # the run's last release: no steady state follows
-  assert last == []
+def test_the_steady_peak_leaves_out_what_the_first_release_held():
+  """The meter's first call (a resumption's first release: 5 of 8) keeps the peak so far and
+  resets the high-water mark: 1 GiB held and freed before it (as the compiler's is) is in
+  the run's peak, not the steady one. A first call at the last release resets nothing: no
+  steady state follows."""
+  memory = ReleaseMemory(8)
+  ballast = np.ones(2**27)  # 1 GiB, every page written
+  assert ballast.sum() == 2**27
+  del ballast
+  memory(5)
+  memory(6)
+  summary = memory.summary()
+  assert summary["peak_rss_gib"] > 1.0
+  assert summary["steady_peak_rss_gib"] < summary["peak_rss_gib"] - 0.5, summary
+  last = ReleaseMemory(8)
+  last(8)
+  assert "steady_peak_rss_gib" not in last.summary()
 
 
 def test_a_run_in_its_own_process_reports_its_own_peak_memory():

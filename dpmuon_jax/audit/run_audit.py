@@ -50,7 +50,7 @@ from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.sampling import PADDING_INDEX, PaddedBatch, PoissonSampler, gather
-from dpmuon_jax.training.loop import Hooks, LoopState, run_releases
+from dpmuon_jax.training.loop import LoopState, release
 from dpmuon_jax.training.step import make_private_step
 
 PyTree = Any
@@ -205,21 +205,17 @@ def audit(config: AuditConfig) -> dict:
   remove_data = config.scoring == WHITE_BOX and config.sampling_rate == 1.0
   data, data_mask = _data_rows(train, len(x), multiple)
   undo_step = sampler.expected_batch_size / config.learning_rate  # θ_{t+1} − θ_t = −(lr/D)·G̃
-  residual = [params]
-
-  def remove(previous: LoopState, state: LoopState, out) -> None:
-    del out
-    data_sum = step.clipped_sum(previous.params, previous.opt_state, data, data_mask).total
-    residual[0] = jax.tree.map(lambda r, a, b, s: r + (b - a) * undo_step + s,
-                               residual[0], previous.params, state.params, data_sum)
-
-  # The audit accounts itself (ledger=None): a broken run is meant to overspend.
-  trained, _ = run_releases(
-      step, LoopState(params, optimizer.init(params), 0, 0), config.steps, sampler=sampler,
-      optimizer=optimizer, ledger=None, hooks=Hooks(after=remove if remove_data else None),
-      to_chunks=lambda padded, _: [(gather(train, c), jnp.asarray(c.mask)) for c in padded],
-  )
-  final = residual[0] if remove_data else trained.params
+  to_chunks = lambda padded, _: [(gather(train, c), jnp.asarray(c.mask)) for c in padded]
+  # The audit accounts itself (no ledger): a broken run is meant to overspend.
+  state, residual = LoopState(params, optimizer.init(params), 0, 0), params
+  while state.step < config.steps:
+    released = release(step, state, sampler=sampler, to_chunks=to_chunks)
+    if remove_data:
+      data_sum = step.clipped_sum(state.params, state.opt_state, data, data_mask).total
+      residual = jax.tree.map(lambda r, a, b, s: r + (b - a) * undo_step + s,
+                              residual, state.params, released.state.params, data_sum)
+    state = released.state
+  final = residual if remove_data else state.params
   in_scores, out_scores = split_scores(score(params, final), included)
   epsilon_hat = epsilon_one_run(in_scores, out_scores, config.significance, config.delta)
   fields = dataclasses.asdict(config)

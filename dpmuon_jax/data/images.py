@@ -73,9 +73,15 @@ class ImageDataset:
   y_test: np.ndarray
   num_classes: int | None = None
   name: str = "dataset"
+  user_train: np.ndarray | None = None  # each training image's user (user-level DP)
 
   def __post_init__(self):
     set_ = lambda field, value: object.__setattr__(self, field, value)
+    if self.user_train is not None:
+      set_("user_train", np.asarray(self.user_train))
+      if self.user_train.shape != (len(np.asarray(self.y_train)),):
+        raise ValueError(f"user_train must hold one user id per training image, got shape "
+                         f"{self.user_train.shape} for {len(np.asarray(self.y_train))} images.")
     for split in ("train", "test"):
       x = _images(getattr(self, f"x_{split}"), split)
       y = _labels(getattr(self, f"y_{split}"), split)

@@ -28,11 +28,13 @@ from dpmuon_jax.data.images import ImageDataset
 TFDS_NAMES: tuple[str, ...] = ("cifar10", "cifar100", "svhn_cropped", "mnist", "fashion_mnist")
 DATASET_NAMES: tuple[str, ...] = (EMBEDDED_NAME, *TFDS_NAMES)
 NPZ_KEYS: tuple[str, ...] = ("x_train", "y_train", "x_test", "y_test")
+USER_KEY = "user_train"  # optional: each training image's user, for user-level DP
 _READ_CHUNK = 4096
 
 
 def load_npz(path: str | os.PathLike, num_classes: int | None = None) -> ImageDataset:
-  """Reads an ``.npz`` with keys x_train, y_train, x_test, y_test.
+  """Reads an ``.npz`` with keys x_train, y_train, x_test, y_test (and, optionally,
+  ``user_train``: each training image's user id, for ``--privacy-unit user``).
 
   The dataset is named after the file (``cifar10.npz`` → ``"cifar10"``), which
   selects the public constants of a known dataset (``images.DATASETS``).
@@ -51,7 +53,7 @@ def load_npz(path: str | os.PathLike, num_classes: int | None = None) -> ImageDa
       raise ValueError("it holds a single array, not named arrays")
     with data:
       present = sorted(data.files)
-      arrays = {k: data[k] for k in NPZ_KEYS if k in present}
+      arrays = {k: data[k] for k in (*NPZ_KEYS, USER_KEY) if k in present}
   except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
     raise ValueError(f"Cannot read {path} as an .npz file: {e}") from None
   missing = [k for k in NPZ_KEYS if k not in arrays]

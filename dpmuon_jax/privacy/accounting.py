@@ -337,6 +337,8 @@ class LedgerConfig(NamedTuple):
   target_delta: float
   target_epsilon: float | None
   accountant: str
+  # What N counts and the guarantee protects: one example, or one user's records.
+  privacy_unit: str = "example"
 
 
 def _release_spec(release: Any) -> GaussianReleaseSpec:
@@ -361,6 +363,7 @@ def _config(sampler: Any, release: Any, target_delta, target_epsilon, accountant
       target_delta=float(target_delta),
       target_epsilon=None if target_epsilon is None else float(target_epsilon),
       accountant=accountant,
+      privacy_unit=spec.clipping.unit,
   )
 
 
@@ -379,6 +382,7 @@ _RELEASE_FIELDS = (
     "denominator",
     "neighbouring",
     "dataset_size",
+    "privacy_unit",
 )
 
 
@@ -553,7 +557,8 @@ class PrivacyLedger:
   def from_json(cls, data: str | dict[str, Any]) -> PrivacyLedger:
     """Rebuilds a ledger from :meth:`to_json` (or :meth:`to_dict`) output."""
     d = json.loads(data) if isinstance(data, str) else dict(data)
-    config = LedgerConfig(**{f: d[f] for f in LedgerConfig._fields})
+    # A ledger saved before a field existed has that field's default.
+    config = LedgerConfig(**{f: d[f] for f in LedgerConfig._fields if f in d})
     ledger = cls.__new__(cls)
     ledger._set(config, d["count"], bool(d["seeded"]))
     return ledger

@@ -12,6 +12,14 @@ the norm is taken in float32 over the vector that is actually summed.
   with the thresholds C_l above.
 
 A per-example query with a non-finite entry contributes zero and is counted.
+
+The privacy unit is part of the rule. ``unit="example"`` (default): each row
+of a batch is one example, clipped as above. ``unit="user"`` (user-level DP):
+each row is one user's records, and the user contributes ONE clipped vector,
+the mean of their records' queries clipped to C
+(:func:`~dpmuon_jax.privacy.query.clipped_sum`), so adding or removing a user
+moves the sum by at most C. A sum clipped under one unit is never released
+under the other: the release accepts a sum only when made with its own rule.
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ import jax
 import jax.numpy as jnp
 
 PyTree = Any
+
+EXAMPLE, USER = "example", "user"
+PRIVACY_UNITS = (EXAMPLE, USER)
+"""What one clipped row of a batch is: one example, or one user's records."""
 
 # Guards C / ‖g‖ at ‖g‖ = 0, as Opacus does; keeps ‖ḡ‖ ≤ C up to float rounding.
 _NORM_EPS = 1e-6
@@ -78,6 +90,8 @@ class Clipping:
       release then adds discrete Gaussian noise. Rounding can move a vector of
       norm ≤ C by up to √d/2 grid steps, so the sensitivity in grid units is
       2ᵏ + √d/2 (d coordinates), and the noise is scaled to that.
+    unit: the privacy unit, ``"example"`` or ``"user"`` (one clipped vector per user:
+      the mean of the user's records' queries).
   """
 
   l2_clip_norm: float
@@ -86,6 +100,7 @@ class Clipping:
   gamma: float = 0.01
   layer_weights: PyTree | None = None
   grid_bits: int | None = None
+  unit: str = EXAMPLE
 
   def __post_init__(self):
     # Python floats: NumPy/JAX scalars would compare and serialise (describe()) differently.
@@ -107,6 +122,8 @@ class Clipping:
         or not 8 <= self.grid_bits <= 22
     ):
       raise ValueError(f"grid_bits must be an int in [8, 22] or None, got {self.grid_bits!r}.")
+    if self.unit not in PRIVACY_UNITS:
+      raise ValueError(f"unit must be one of {', '.join(PRIVACY_UNITS)}, got {self.unit!r}.")
 
   @property
   def name(self) -> str:
@@ -122,6 +139,8 @@ class Clipping:
       out["layer_weights"] = [float(w) for w in jax.tree.leaves(self.layer_weights)]
     if self.grid_bits is not None:
       out["grid_bits"] = self.grid_bits
+    if self.unit != EXAMPLE:  # an example-level rule keeps the description it always had
+      out["privacy_unit"] = self.unit
     return out
 
   @property

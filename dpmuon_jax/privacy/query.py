@@ -35,6 +35,7 @@ import numpy as np
 
 from dpmuon_jax.privacy.clipping import (
     LIMB_BITS,
+    USER,
     ClippedExample,
     Clipping,
     GridSum,
@@ -421,6 +422,42 @@ def add_batch_axis(example: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jnp.expand_dims(x, 0), example)
 
 
+RECORD_MASK = "record_mask"
+"""The field of a user-grouped batch that marks each user's real records (user-level DP)."""
+
+
+def per_user_query(query: QueryFn) -> QueryFn:
+  """A user's query: the mean of ``query`` over the user's real records.
+
+  One row of a user-grouped batch (:func:`~dpmuon_jax.data.users.group_by_user`) is a dict
+  whose fields have a leading axis of the user's (at most m) records and whose
+  ``record_mask`` marks the real ones::
+
+      q_u = Σ_j mask_j · q(θ; x_uj) / max(1, Σ_j mask_j)
+
+  Clipped once to C, q_u is the user's whole contribution to the sum. Masked records
+  contribute exactly zero, even where their query is not finite (e.g. a padded text with
+  no target token).
+  """
+
+  def query_of_user(inputs: PyTree, user: PyTree) -> PyTree:
+    if not isinstance(user, dict) or RECORD_MASK not in user:
+      raise ValueError(f"A user-level clipped sum needs batches grouped by user: a dict with "
+                       f"a {RECORD_MASK!r} field (dpmuon_jax.data.users.group_by_user).")
+    mask = jnp.asarray(user[RECORD_MASK], bool)
+    records = {k: v for k, v in user.items() if k != RECORD_MASK}
+    per_record = jax.vmap(query, in_axes=(None, 0))(inputs, records)
+    weight = mask.astype(jnp.float32) / jnp.maximum(1.0, jnp.sum(mask.astype(jnp.float32)))
+
+    def mean(q: jax.Array) -> jax.Array:
+      kept = jnp.where(mask.reshape((-1,) + (1,) * (q.ndim - 1)), q, 0.0)
+      return jnp.tensordot(weight, kept, axes=1)
+
+    return jax.tree.map(mean, per_record)
+
+  return query_of_user
+
+
 def gradient_query(loss_fn: LossFn) -> QueryFn:
   """The standard query q_i = ∇_θ ℓ(θ; x_i).
 
@@ -576,8 +613,22 @@ def pad_to_multiple(batch: PyTree, mask: jax.Array, multiple: int) -> tuple[PyTr
 def clip_and_sum(
     per_example: PyTree, mask: jax.Array | None, clipping: Clipping | float
 ) -> ClippedSum:
-  """Σ_i mask_i · clip_C(q_i) for queries ``per_example`` on a leading batch axis."""
+  """Σ_i mask_i · clip_C(q_i) for queries ``per_example`` on a leading batch axis.
+
+  Example-level rules only: a user-level sum is made by :func:`clipped_sum`, which averages
+  each user's records before clipping (a vector of your own per user:
+  :meth:`ClippedSum.assume_clipped`).
+  """
   clipping = as_clipping(clipping)
+  if clipping.unit == USER:
+    raise ValueError("A user-level clipped sum clips each user's mean query: make it with "
+                     "clipped_sum over batches grouped by user (group_by_user), not from "
+                     "per-example queries.")
+  return _clip_and_sum(per_example, mask, clipping)
+
+
+def _clip_and_sum(per_example: PyTree, mask: jax.Array | None, clipping: Clipping
+                  ) -> ClippedSum:
   mask = _default_mask(_batch_size(per_example), mask)
   clipped = jax.vmap(clipping.clip)(per_example)
   weight = mask.astype(jnp.float32)
@@ -628,6 +679,9 @@ def clipped_sum_from_norms(
   (secure-noise) mode: it rounds every clipped query, so it needs them.
   """
   clipping = as_clipping(clipping)
+  if clipping.unit == USER:
+    raise ValueError("Ghost clipping clips each example's gradient from its norms; user-level "
+                     "DP clips each user's mean gradient: use clipped_sum_method='vmap'.")
   if clipping.grid_bits is not None:
     raise ValueError("Clipping from norms cannot round each clipped query to the grid "
                      "(grid_bits); use clipped_sum.")
@@ -658,11 +712,17 @@ def clipped_sum(
     query_inputs: public inputs shared by all examples (parameters, states).
     batch: pytree of arrays with a leading batch axis; padding rows are dummies.
     mask: boolean ``(B,)``; False rows contribute nothing. ``None``: all real.
-    clipping: a :class:`Clipping` or a bare C (flat clipping).
+    clipping: a :class:`Clipping` or a bare C (flat clipping). A user-level rule
+      (``unit="user"``) takes a batch grouped by user (one row per user, its records and
+      ``record_mask``) and clips each user's mean query (:func:`per_user_query`): x_i is
+      then user i, and the sum's sensitivity C is per user.
     microbatch_size: evaluate ``vmap(query)`` on this many examples at a time
       and accumulate, so memory is flat in B. A batch it does not divide gets
       masked-out padding rows (:func:`pad_to_multiple`). ``None``: all at once.
   """
+  clipping = as_clipping(clipping)
+  if clipping.unit == USER:  # one row per user: the mean of their records' queries
+    query = per_user_query(query)
   batch_size = _batch_size(batch)
   mask = _default_mask(batch_size, mask)
   per_example = jax.vmap(query, in_axes=(None, 0))
@@ -672,7 +732,7 @@ def clipped_sum(
   ):
     raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}.")
   if microbatch_size is None or microbatch_size >= batch_size:
-    return clip_and_sum(per_example(query_inputs, batch), mask, clipping)
+    return _clip_and_sum(per_example(query_inputs, batch), mask, clipping)
 
   batch, mask = pad_to_multiple(batch, mask, microbatch_size)
   num_chunks = mask.shape[0] // microbatch_size
@@ -682,8 +742,8 @@ def clipped_sum(
 
   def chunk_sum(chunk) -> ClippedSum:
     chunk_batch, chunk_mask = chunk
-    return clip_and_sum(per_example(query_inputs, chunk_batch), chunk_mask, clipping)
+    return _clip_and_sum(per_example(query_inputs, chunk_batch), chunk_mask, clipping)
 
   one_example = jax.tree.map(lambda x: x[0], batch)
   like = jax.eval_shape(query, query_inputs, one_example)
-  return _sum_over_chunks(chunk_sum, chunked, like, as_clipping(clipping))
+  return _sum_over_chunks(chunk_sum, chunked, like, clipping)

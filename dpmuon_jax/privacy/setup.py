@@ -22,7 +22,7 @@ import optax
 
 from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
-from dpmuon_jax.privacy.clipping import Clipping, as_clipping
+from dpmuon_jax.privacy.clipping import EXAMPLE, Clipping, as_clipping
 from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import ClippedSum, QueryFn, clipped_sum
 from dpmuon_jax.privacy.release import (
@@ -100,6 +100,7 @@ def make_private(
     denominator: float | None = None,
     noise_multiplier: float | None = None,
     secure_noise: bool = False,
+    privacy_unit: str | None = None,
 ) -> PrivateSetup:
   """From a privacy target to the sampler, release and ledger of one run.
 
@@ -126,6 +127,11 @@ def make_private(
       clipped sum, from OS entropy (see :func:`~dpmuon_jax.privacy.release.dp_release`);
       the clipping rule then carries the grid, so every ``dp_*`` optimizer
       built from ``release_kwargs`` uses it.
+    privacy_unit: ``"example"`` or ``"user"``: user-level DP (default: the clipping
+      rule's unit, ``"example"`` for a bare C). Then N is the
+      number of USERS, B the expected number of sampled users, the data are grouped one
+      row per user (:func:`~dpmuon_jax.data.users.group_by_user`) and the clipping rule
+      clips each user's mean query (``Clipping.unit``), so (ε, δ) hold per user.
 
   Returns:
     A :class:`PrivateSetup`.
@@ -149,6 +155,11 @@ def make_private(
     )
 
   clipping = as_clipping(l2_clip_norm if clipping is None else clipping)
+  if privacy_unit is not None and privacy_unit != clipping.unit:
+    if clipping.unit != EXAMPLE:
+      raise ValueError(f"privacy_unit={privacy_unit!r} disagrees with the clipping rule's "
+                       f"unit {clipping.unit!r}.")
+    clipping = dataclasses.replace(clipping, unit=privacy_unit)
   if secure_noise and clipping.grid_bits is None:
     clipping = dataclasses.replace(clipping, grid_bits=DEFAULT_GRID_BITS)
   root = root_key(key)

@@ -14,8 +14,11 @@ fused ``c_attn`` is split into ``query``, ``key``, ``value`` (columns
 causal-mask buffers ``attn.bias`` / ``attn.masked_bias`` of old checkpoints
 are not parameters; all three are ignored on loading.
 
-Nothing is ever downloaded: point :func:`load_hf_gpt2` at a local directory
-(e.g. one made by ``huggingface-cli download gpt2 model.safetensors config.json``).
+:func:`load_hf_gpt2` reads a local directory. :func:`resolve_weights` turns a
+model NAME (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``,
+``distilgpt2``) into one: it fetches the two files through ``huggingface_hub``
+(the ``hub`` extra) into its cache, or reads that cache offline; a path that
+exists is used as it is.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ PyTree = Any
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+# Model names -> their Hugging Face repositories (the old bare names redirect there).
+HUB_MODELS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+              "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
+              "distilgpt2": "distilbert/distilgpt2"}
 _HF_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")  # required sizes
 
 
@@ -201,6 +208,29 @@ def save_hf_gpt2(params: PyTree, config: GPT2Config, directory: str | os.PathLik
             metadata={"format": "pt"})
   with open(os.path.join(directory, CONFIG_FILE), "w") as f:
     json.dump(_hf_config(config), f, indent=2)
+
+
+def resolve_weights(name_or_dir: str) -> str:
+  """The local directory of ``name_or_dir``: itself if it exists, else the fetched (or
+  cached) ``model.safetensors`` and ``config.json`` of a :data:`HUB_MODELS` name.
+
+  Raises:
+    FileNotFoundError: neither a directory nor a known name, or the files cannot be had
+      (offline, no cache), naming the layout to give instead.
+  """
+  if os.path.exists(name_or_dir) or name_or_dir not in HUB_MODELS:
+    return name_or_dir
+  with requires("hub", f"Fetching {name_or_dir!r} by name"):
+    from huggingface_hub import snapshot_download
+
+  try:
+    return snapshot_download(HUB_MODELS[name_or_dir], allow_patterns=[WEIGHTS_FILE, CONFIG_FILE])
+  except Exception as error:  # offline, hub down, no cache: huggingface_hub's own errors
+    raise FileNotFoundError(
+        f"Could not fetch {name_or_dir!r} from the Hugging Face hub ({type(error).__name__}). "
+        f"Offline, pass a directory holding {WEIGHTS_FILE} and {CONFIG_FILE} of a GPT-2 "
+        f"checkpoint (e.g. made online by `huggingface-cli download {HUB_MODELS[name_or_dir]} "
+        f"{WEIGHTS_FILE} {CONFIG_FILE} --local-dir DIR`).") from None
 
 
 def load_hf_gpt2(directory: str | os.PathLike) -> tuple[PyTree, GPT2Config]:

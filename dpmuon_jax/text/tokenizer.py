@@ -2,8 +2,10 @@
 
 The two files are OpenAI's ``encoder.json`` / ``vocab.bpe`` (the same bytes as
 Hugging Face's ``gpt2/vocab.json`` / ``merges.txt``). ``tiktoken`` builds the
-encoding from them offline; ``tiktoken.get_encoding("gpt2")`` would download
-and is never used. ``"Hello world"`` → ``[15496, 995]``; ``<|endoftext|>`` is 50256.
+encoding from them offline. Without local files,
+:meth:`GPT2Tokenizer.from_tiktoken` uses ``tiktoken.get_encoding("gpt2")``,
+which fetches the same two files once (online) into tiktoken's cache.
+``"Hello world"`` → ``[15496, 995]``; ``<|endoftext|>`` is 50256.
 
 ``vocab_size=V`` keeps GPT-2's first V − 1 tokens in merge order (the 256
 bytes and the first V − 257 merges) and puts ``<|endoftext|>`` at V − 1. That
@@ -67,6 +69,32 @@ class GPT2Tokenizer:
         name=f"gpt2-{vocab_size}", mergeable_ranks=ranks,
         special_tokens={EOS_TOKEN: self._eos_id}, pat_str=_PATTERN,
     )
+
+  @classmethod
+  def from_tiktoken(cls, vocab_size: int | None = None) -> GPT2Tokenizer:
+    """tiktoken's ``"gpt2"`` encoding (fetched once, online); GPT-2's full vocabulary only.
+
+    Raises:
+      ValueError: ``vocab_size`` other than GPT-2's (a truncated vocabulary needs the files).
+      FileNotFoundError: tiktoken cannot fetch the files (offline), naming the layout to give.
+    """
+    if vocab_size not in (None, EOS_ID + 1):
+      raise ValueError(f"vocab_size {vocab_size}: a truncated vocabulary is built from local "
+                       "BPE files; give --tokenizer-dir (vocab.json, merges.txt).")
+    with requires("text", "The GPT-2 tokenizer"):
+      import tiktoken
+
+    try:
+      encoding = tiktoken.get_encoding("gpt2")
+    except Exception as error:  # tiktoken raises requests' errors when offline
+      raise FileNotFoundError(
+          f"tiktoken could not fetch GPT-2's BPE files ({type(error).__name__}); offline, give "
+          "--tokenizer-dir DIR with DIR/vocab.json and DIR/merges.txt (OpenAI's encoder.json "
+          "and vocab.bpe, or download_text_data('gpt2', ...)).") from None
+    tokenizer = cls.__new__(cls)
+    tokenizer._eos_id = EOS_ID
+    tokenizer._encoding = encoding
+    return tokenizer
 
   @property
   def vocab_size(self) -> int:

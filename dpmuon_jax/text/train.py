@@ -31,23 +31,17 @@ clipping-residual probe (figures 3–4) is
 analysis only: it reads per-example gradients before noise and is not
 covered by the guarantee.
 
-Wall time and peak memory (the device's peak allocation where the backend
-reports it, and the process's peak RSS, both since the process started) are
-recorded for the K sweep of §5.3, and on Linux the steady-state peak RSS:
-the high-water mark over releases 2..T (and their validation NLL), reset
-after the first release so it excludes the first release's compilation (a
-resumed run's: over the releases after its resumption's first). The training
-time covers every process of the run, checkpoint writes left out.
+Wall and CPU time are recorded (the training time covers every process of the
+run, checkpoint writes left out). Peak memory is measured from outside, by a
+callback of :func:`train_lm` (``benchmarks/_peak_memory.py``, which the text
+sweeps use).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import json
+import hashlib
 import os
-import resource
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -59,45 +53,50 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dpmuon_jax import checks
+from dpmuon_jax.data.users import group_by_user
 from dpmuon_jax.distributed.mesh import shard_batch, sharded_capacity
 from dpmuon_jax.distributed.sharding import parse_mesh_shape
 from dpmuon_jax.models.taps import tapped
 from dpmuon_jax.optimizers import registry
 from dpmuon_jax.optimizers.options import Fallback
+from dpmuon_jax.privacy.clipping import USER
 from dpmuon_jax.privacy.release import PrivateTransformation
 from dpmuon_jax.privacy.sampling import gather
 from dpmuon_jax.privacy.setup import PrivateSetup, make_private
 from dpmuon_jax.text.data import (
-    TextDataset,
-    encode_pairs,
-    encode_prompts,
-    load_text_dataset,
-    split_public_slice,
+  TextDataset,
+  e2e_name,
+  encode_pairs,
+  encode_prompts,
+  load_text_dataset,
+  split_public_slice,
 )
 from dpmuon_jax.text.generate import beam_search, decode_texts, greedy_decode
 from dpmuon_jax.text.gpt2 import (
-    GPT2,
-    GPT2_CPU,
-    GPT2_SMALL,
-    GPT2_TINY,
-    GPT2Config,
-    checked_config,
-    gpt2_model,
-    lm_loss,
+  GPT2,
+  GPT2_CPU,
+  GPT2_SMALL,
+  GPT2_TINY,
+  GPT2Config,
+  checked_config,
+  gpt2_model,
+  lm_loss,
 )
-from dpmuon_jax.text.hf_weights import load_hf_gpt2
+from dpmuon_jax.text.hf_weights import load_hf_gpt2, resolve_weights
 from dpmuon_jax.text.metrics import bleu, dart_rouge_l, e2e_rouge_l, mean_token_nll
+from dpmuon_jax.text.records import LINE, RECORD_LAYOUTS, RecordsError, load_records
 from dpmuon_jax.text.tokenizer import GPT2Tokenizer
 from dpmuon_jax.training.driver import Run, run_task
 from dpmuon_jax.training.loop import LoopState
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.settings import (
-    PrivacySettings,
-    RunControl,
-    RunSettings,
-    in_unit_interval,
-    redefault,
-    setting,
+  PrivacySettings,
+  RunControl,
+  RunSettings,
+  in_open_unit_interval,
+  in_unit_interval,
+  redefault,
+  setting,
 )
 from dpmuon_jax.training.step import make_private_step
 from dpmuon_jax.transforms.history import ordered_history
@@ -198,13 +197,30 @@ class LMTrainConfig(RunSettings):
       device of every process.
   """
 
-  data_dir: str = setting(help="folder with e2e/, dart/ and gpt2/ (text.data's layout)")
+  data_dir: str | None = setting(
+      None, help="folder with e2e/, dart/ and gpt2/ (text.data's layout); not needed with "
+      "--train-file")
   dataset: str = setting("e2e", choices=("e2e", "dart"), help="e2e or dart")
+  train_file: str | None = setting(
+      None, metavar="FILE", help="your own text instead of --dataset: .jsonl ({prompt, "
+      "completion} or {text} per line), .csv (the same columns) or plain text")
+  valid_file: str | None = setting(
+      None, metavar="FILE", help="held-out records of the same format for the validation NLL "
+      "(default: --valid-fraction of --train-file)")
+  valid_fraction: float = setting(
+      0.1, check=in_open_unit_interval, help="--train-file without --valid-file: this "
+      "fraction of its records (of its users, at user level) held out, chosen by a hash of "
+      "each record's tokens (user id)")
+  text_records: str = setting(LINE, choices=RECORD_LAYOUTS, help="a plain-text --train-file: "
+                              "one record per line, or per paragraph (blank-line separated)")
+  user_field: str | None = setting(
+      None, help="the JSONL field or CSV column naming each record's user (--privacy-unit user)")
   output_dir: str = redefault(RunControl, "output_dir", "runs/lm")
   tokenizer_dir: str | None = setting(
       None, help="GPT-2's vocab.json and merges.txt (default: DATA_DIR/gpt2)")
   init_weights: str | None = setting(
-      None, help="a local Hugging Face GPT-2 folder to fine-tune (default: from scratch)")
+      None, help="GPT-2 weights to fine-tune: a local Hugging Face folder, or a name (gpt2, "
+      "gpt2-medium, gpt2-large, gpt2-xl, distilgpt2; the hub extra; default: from scratch)")
   model: str = setting(  # checked with the shape, from scratch only: _scratch_config
       "gpt2", help=f"from-scratch shape: {', '.join(MODEL_PRESETS)}")
   model_overrides: dict = setting(default_factory=dict,
@@ -265,9 +281,34 @@ def validate_config(config: LMTrainConfig) -> None:
     raise ValueError(f"train_split {config.train_split!r} is also scored or decoded (validation "
                      "NLL, generate_splits): its scores would publish the private training "
                      "data as if it were held out; train on another split.")
+  _check_own_text(config)
+  _check_user_level(config)
   if config.capacity and config.microbatch_size and config.capacity % config.microbatch_size:
     raise ValueError(f"capacity {config.capacity} is not a multiple of microbatch_size "
                      f"{config.microbatch_size}.")
+
+
+def _check_own_text(config: LMTrainConfig) -> None:
+  if config.train_file is None:
+    if config.data_dir is None:
+      raise ValueError("--data-dir is needed for --dataset e2e or dart (or give --train-file).")
+    if config.valid_file is not None:
+      raise ValueError("--valid-file goes with --train-file.")
+  elif config.public_slice is not None or config.train_subset is not None:
+    raise ValueError("--public-slice and --train-subset apply to --dataset e2e/dart, not to "
+                     "--train-file.")
+
+
+def _check_user_level(config: LMTrainConfig) -> None:
+  if config.privacy_unit != USER:
+    if config.user_field is not None:
+      raise ValueError("--user-field goes with --privacy-unit user.")
+    return
+  if config.user_field is None:
+    raise ValueError("--privacy-unit user needs --user-field: the field naming each "
+                     "record's user.")
+  if config.diagnostic_steps:
+    raise ValueError("diagnostic_steps probe per-record gradients; not at user level.")
 
 
 def lm_optimizer(config: LMTrainConfig, release_kwargs: dict[str, Any]) -> PrivateTransformation:
@@ -299,7 +340,7 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
   """``(apply, params, gpt2_config, pretrained)`` from ``init_weights`` or from scratch."""
   tap = tapped if config.clipped_sum_method != "vmap" else (lambda module: module)
   if config.init_weights is not None:
-    params, gpt2_config = load_hf_gpt2(config.init_weights)
+    params, gpt2_config = load_hf_gpt2(resolve_weights(config.init_weights))
     if gpt2_config.vocab_size != vocab_size:
       raise ValueError(f"The checkpoint's vocabulary has {gpt2_config.vocab_size} tokens, the "
                        f"tokenizer {vocab_size}: set vocab_size (--vocab-size) to the "
@@ -312,49 +353,6 @@ def load_model(config: LMTrainConfig, vocab_size: int) -> tuple[Any, PyTree, GPT
     gpt2_config = gpt2_config._replace(vocab_size=vocab_size)
   apply, params = gpt2_model(tap(GPT2(gpt2_config, rngs=nnx.Rngs(config.model_seed))))
   return apply, params, gpt2_config, False
-
-
-def peak_memory() -> dict[str, float]:
-  """Peak device allocation (GiB, where the backend reports it) and peak resident set (GiB).
-
-  Both are the PROCESS's peaks since it started, not one run's: for a figure per run, run
-  each run in a process of its own (``experiments.text_sweep`` does).
-  """
-  out = {"peak_rss_gib": peak_rss_gib()}
-  stats = jax.local_devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    out["peak_device_gib"] = stats["peak_bytes_in_use"] / 2**30
-  return out
-
-
-def reset_peak_rss() -> bool:
-  """Resets this process's VmHWM to its current resident set (Linux ≥ 4.0), after handing
-  the heap freed since (e.g. by the compiler) back to the system; False where unsupported."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
-
-
-def peak_rss_gib() -> float:
-  """This process's peak resident set in GiB: Linux's VmHWM, which belongs to the process's
-  own memory map, else ``ru_maxrss``, which Linux carries over from the parent through
-  fork and exec (so a spawned child's would be at least its parent's peak)."""
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("VmHWM:"):
-          return int(line.split()[1]) / 2**20
-  except OSError:
-    pass
-  unit = 2**30 if sys.platform == "darwin" else 2**20  # bytes on macOS, KiB elsewhere
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit
 
 
 def generate_texts(apply, params, tokenizer: GPT2Tokenizer, sources: list[str],
@@ -397,10 +395,10 @@ def score_split(apply, params, tokenizer, data: TextDataset, config: LMTrainConf
 
 class _LMData(NamedTuple):
   tokenizer: GPT2Tokenizer
-  valid: Any  # the validation split (pairs)
-  train_arrays: dict
+  valid: TextDataset | None  # the validation split's pairs and groups (None: own text)
+  train_arrays: dict  # one row per training pair, or per user (``record_mask``)
   valid_arrays: dict
-  num_pairs: int
+  num_pairs: int  # N: training pairs, or users at user level
 
 
 def load_split(config: LMTrainConfig, split: str) -> TextDataset:
@@ -409,17 +407,89 @@ def load_split(config: LMTrainConfig, split: str) -> TextDataset:
   return data if config.public_slice is None else split_public_slice(data, config.public_slice)[0]
 
 
+def _tokenizer(config: LMTrainConfig) -> GPT2Tokenizer:
+  """GPT-2's BPE from ``tokenizer_dir``, else ``data_dir/gpt2``, else tiktoken's ``"gpt2"``."""
+  if config.tokenizer_dir is None and config.data_dir is None:
+    return GPT2Tokenizer.from_tiktoken(config.vocab_size)
+  return GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
+                       config.vocab_size)
+
+
 def _load_lm_data(config: LMTrainConfig) -> _LMData:
-  """Tokenizer, the training pairs (encoded) and the validation split."""
-  tokenizer = GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
-                            config.vocab_size)
+  """Tokenizer, the training pairs (encoded, grouped by user at user level) and validation."""
+  tokenizer = _tokenizer(config)
+  if config.train_file is not None:
+    return _own_text(config, tokenizer)
   train = load_split(config, config.train_split)
   valid = load_split(config, "valid")
   pairs = train.pairs[:config.train_subset]
+  arrays, n = encode_pairs(tokenizer, pairs, config.max_length), len(pairs)
+  if config.privacy_unit == USER:  # E2E: the restaurant is the user
+    arrays, n = _by_user(config, arrays, np.asarray([_pair_user(config, p) for p in pairs]))
   return _LMData(
-      tokenizer, valid, encode_pairs(tokenizer, pairs, config.max_length),
-      encode_pairs(tokenizer, valid.pairs[:config.eval_pairs], config.max_length), len(pairs),
-  )
+      tokenizer, valid, arrays,
+      encode_pairs(tokenizer, valid.pairs[:config.eval_pairs], config.max_length), n)
+
+
+def _pair_user(config: LMTrainConfig, pair) -> str:
+  if config.dataset != "e2e" or config.user_field != "name":
+    raise ValueError("--privacy-unit user on a built-in dataset: E2E with --user-field name "
+                     "(the restaurant); your own records: --train-file with a user field.")
+  return e2e_name(pair.source)
+
+
+def _by_user(config: LMTrainConfig, arrays: dict, users: np.ndarray) -> tuple[dict, int]:
+  """The training rows grouped one per user (:func:`~dpmuon_jax.data.users.group_by_user`)."""
+  groups = group_by_user(arrays, users, config.max_examples_per_user)
+  print(f"user-level DP: {groups.num_users} users, {groups.records_kept} records kept, "
+        f"{groups.records_dropped} dropped past --max-examples-per-user "
+        f"{config.max_examples_per_user}.", flush=True)
+  return groups.arrays, groups.num_users
+
+
+def _own_text(config: LMTrainConfig, tokenizer: GPT2Tokenizer) -> _LMData:
+  """``--train-file`` (and ``--valid-file``, or ``--valid-fraction`` of it held out)."""
+  user_field = config.user_field if config.privacy_unit == USER else None
+  train = load_records(config.train_file, tokenizer, config.max_length, config.text_records,
+                       user_field)
+  _note_truncated(config.train_file, train.truncated, train.num_records, config.max_length)
+  arrays, users = train.arrays, train.users
+  if config.valid_file is not None:
+    valid = load_records(config.valid_file, tokenizer, config.max_length, config.text_records)
+    _note_truncated(config.valid_file, valid.truncated, valid.num_records, config.max_length)
+    valid_arrays = valid.arrays
+  else:
+    held_out = _held_out(arrays["tokens"] if users is None else users, config.valid_fraction)
+    if held_out.all() or not held_out.any():
+      raise RecordsError(f"{config.train_file}: --valid-fraction {config.valid_fraction} of "
+                         f"{len(held_out)} {'records' if users is None else 'users'} leaves "
+                         "no training or no validation record; give --valid-file.")
+    valid_arrays = {k: np.asarray(v[held_out]) for k, v in arrays.items()}
+    arrays = {k: np.asarray(v[~held_out]) for k, v in arrays.items()}
+    users = None if users is None else users[~held_out]
+  if config.eval_pairs is not None:
+    valid_arrays = {k: v[:config.eval_pairs] for k, v in valid_arrays.items()}
+  n = len(arrays["tokens"])
+  if users is not None:
+    arrays, n = _by_user(config, arrays, np.asarray(users))
+  return _LMData(tokenizer, None, arrays, valid_arrays, n)
+
+
+def _note_truncated(path: str, truncated: int, total: int, max_length: int) -> None:
+  if truncated:
+    print(f"{path}: {truncated} of {total} records are longer than --max-length {max_length} "
+          "tokens and were cut at the right.", flush=True)
+
+
+def _held_out(keys: np.ndarray, fraction: float) -> np.ndarray:
+  """Whether each record (row of tokens) or user id is held out: sha256 of it mod 10⁶ below
+  fraction·10⁶, a rule on the record alone, fixed before the run."""
+  def digest(key) -> int:
+    data = np.ascontiguousarray(key).tobytes() if isinstance(key, np.ndarray) else str(
+        key).encode("utf-8")
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") % 10**6
+
+  return np.asarray([digest(key) < fraction * 10**6 for key in keys])
 
 
 def _lm_setup(config: LMTrainConfig, n: int, root, rows_devices: int = 1) -> PrivateSetup:
@@ -428,7 +498,7 @@ def _lm_setup(config: LMTrainConfig, n: int, root, rows_devices: int = 1) -> Pri
       target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=n,
       expected_batch_size=config.sampling_rate * n, l2_clip_norm=config.clip,
       steps=config.steps, key=root, accountant=config.accountant,
-      denominator=config.denominator,
+      denominator=config.denominator, privacy_unit=config.privacy_unit,
       capacity=config.capacity or sharded_capacity(n, config.sampling_rate, rows_devices,
                                                    config.microbatch_size),
   )
@@ -440,29 +510,11 @@ def _check_probe(config: LMTrainConfig, probe: DiagnosticProbe | None) -> None:
                      "probe=dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe().")
 
 
-def _note_first_release(step: int, steps: int, first_release_rss: list[float | None]) -> None:
-  """After this process's first release (release 1, or the first after a resumption) when
-  more follow: keep the peak so far (compilation) and reset the high-water mark."""
-  if not first_release_rss and step < steps:
-    peak = peak_rss_gib()
-    first_release_rss.append(peak if reset_peak_rss() else None)
-
-
 def _chunks_of(train_arrays: dict, mesh: Mesh | None = None) -> Callable:
   """The loop's ``to_chunks``: each padded chunk's rows gathered, with its mask (on the mesh)."""
   if mesh is None:
     return lambda padded, _: [(gather(train_arrays, c), jnp.asarray(c.mask)) for c in padded]
   return lambda padded, _: [shard_batch(mesh, gather(train_arrays, c), c.mask) for c in padded]
-
-
-def _run_memory(first_release_rss: list[float | None]) -> dict:
-  """Peak RSS of this process, and its steady state (its releases after the first) when
-  the reset worked."""
-  memory = peak_memory()
-  if first_release_rss and first_release_rss[0] is not None:  # VmHWM: the later releases
-    memory["steady_peak_rss_gib"] = memory["peak_rss_gib"]
-    memory["peak_rss_gib"] = max(memory["peak_rss_gib"], first_release_rss[0])
-  return memory
 
 
 # History columns -> TensorBoard tags.
@@ -493,7 +545,7 @@ class LMTask:
             "init_weights": c.init_weights, "vocab_size": c.vocab_size,
             "max_length": c.max_length, "sampling_rate": c.sampling_rate,
             "denominator": c.denominator, "clip": c.clip, "delta": c.delta,
-            "accountant": c.accountant}
+            "accountant": c.accountant, **_new_privacy_fields(c)}
 
   def data_arrays(self) -> Sequence[np.ndarray]:
     return [self.data.train_arrays[k] for k in sorted(self.data.train_arrays)]
@@ -513,7 +565,6 @@ class LMTask:
                                 clipped_sum_method=config.clipped_sum_method, mesh=mesh)
     probe_batch = {k: v[:config.diagnostic_examples] for k, v in lm_data.train_arrays.items()}
     diagnostic_rows: list[NamedTuple] = []
-    first_release_rss: list[float | None] = []  # the peak up to this process's first release
     validation_nll = lambda p: mean_token_nll(apply, p, lm_data.valid_arrays,
                                               config.eval_batch_size)
 
@@ -524,17 +575,10 @@ class LMTask:
             probe_batch)
         diagnostic_rows.extend(rows)
 
-    memory: dict[str, float] = {}  # as of the latest evaluation: before checkpoint and decoding
-
-    def on_record(row: dict) -> None:
-      memory.update(_run_memory(first_release_rss))
-      print(json.dumps(row), flush=True)
-
     def results(params: PyTree, history: list[dict]) -> dict:
       return {"pretrained": pretrained, "model": gpt2_config._asdict(),
               "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
               "train_pairs": lm_data.num_pairs, "valid_nll": history[-1]["valid_nll"],
-              **(memory or _run_memory(first_release_rss)),
               "scores": _scores(config, apply, params, lm_data)}
 
     def write_extra(output_dir: str, results: dict) -> None:
@@ -553,20 +597,35 @@ class LMTask:
                "fallback_learning_rate": optax.constant_schedule(config.fallback_learning_rate)},
         eval_every=config.steps, tracked=TRACKED, plotted=PLOTTED,
         model=_model_description(config, gpt2_config, pretrained), before_release=before_release,
-        after_release=lambda s: _note_first_release(s.step, config.steps, first_release_rss),
-        on_record=on_record, write_extra=write_extra)
+        print_records=True, write_extra=write_extra)
+
+
+def _new_privacy_fields(c: LMTrainConfig) -> dict:
+  """What a resume must keep of the settings added after the first checkpoints were made,
+  where it differs from what those had (so that their runs still resume)."""
+  fields = {}
+  if c.train_file is not None:
+    fields.update(train_file=os.path.basename(c.train_file), text_records=c.text_records)
+  if c.privacy_unit == USER:
+    fields.update(privacy_unit=c.privacy_unit, user_field=c.user_field,
+                  max_examples_per_user=c.max_examples_per_user)
+  return fields
 
 
 def _scores(config: LMTrainConfig, apply, params, lm_data: _LMData) -> dict:
-  """BLEU and ROUGE-L of the decoded generation splits."""
+  """BLEU and ROUGE-L of the decoded generation splits (none for your own text: it has no
+  references)."""
   scores = {}
+  if lm_data.valid is None:
+    return scores
   for split in config.generate_splits:
     data = lm_data.valid if split == "valid" else load_split(config, split)
     scores[split] = score_split(apply, params, lm_data.tokenizer, data, config)
   return scores
 
 
-def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dict:
+def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None,
+             callbacks: Sequence[Callable[[int], None]] = ()) -> dict:
   """Runs (or resumes) one private GPT-2 run with the one trainer
   (:func:`~dpmuon_jax.training.driver.run_task`).
 
@@ -575,8 +634,10 @@ def train_lm(config: LMTrainConfig, probe: DiagnosticProbe | None = None) -> dic
   under ``output_dir``. ``probe`` is the NON-PRIVATE analysis run at
   ``config.diagnostic_steps`` (required with them), e.g.
   :class:`dpmuon_jax.analysis.polar_metrics.InnerMomentumProbe`; a resumed run's
-  diagnostics cover the releases after its resumption.
+  diagnostics cover the releases after its resumption. ``callbacks`` are called with
+  the number of releases made after each release
+  (:func:`~dpmuon_jax.training.driver.run_task`).
   """
   validate_config(config)
   _check_probe(config, probe)
-  return run_task(LMTask(config, _load_lm_data(config), probe))
+  return run_task(LMTask(config, _load_lm_data(config), probe), callbacks)

@@ -4,8 +4,14 @@
 
     task.build(root, mesh) ─► Run: setup (σ, sampler, release, ledger), optimizer, step,
                               how a sample becomes a batch, evaluation, final results
-    resume point (checkpoint + release journal) ─► run_releases ─► evaluate / log /
-    checkpoint ─► final evaluation, results.json, history.csv, plot, export/
+    resume point (checkpoint + release journal)
+    for each release: budget ─► journal ─► task's probe ─► release ─► seal ─► ledger
+                      ─► evaluate / log ─► callbacks ─► checkpoint
+    final evaluation, results.json, history.csv, plot, export/
+
+Control goes one way: this module's loop calls the task's named functions
+(:class:`Run`'s) and :func:`~dpmuon_jax.training.loop.release`; nothing it
+calls calls back into it.
 
 What a run trains is a :class:`Task`: the image classifier
 (:mod:`dpmuon_jax.training.trainer`) and GPT-2 table-to-text
@@ -101,15 +107,7 @@ from dpmuon_jax.training.journal import (
     read_records,
     read_seals,
 )
-from dpmuon_jax.training.loop import (
-    BUDGET,
-    COMPLETED,
-    REPLAY_MISMATCH,
-    Hooks,
-    LoopState,
-    host_words,
-    run_releases,
-)
+from dpmuon_jax.training.loop import BUDGET, COMPLETED, LoopState, host_words, release
 from dpmuon_jax.training.records import write_csv
 from dpmuon_jax.training.settings import RunSettings
 from dpmuon_jax.training.step import PrivateStep, StepOutput
@@ -151,8 +149,7 @@ class Run(NamedTuple):
     model: the public description of the model trained (``architecture``, its shape or
       overrides, ``pretrained_initialisation``): the export certificate's ``model``.
     before_release: ``state -> None`` before each release (e.g. a NON-PRIVATE probe).
-    after_release: ``state -> None`` after each release, before evaluation.
-    on_record: ``row -> None`` for each history row, process 0 only (e.g. print it).
+    print_records: print each history row as a JSON line (process 0).
     write_extra: ``(output_dir, results) -> None``, process 0 only, before results.json.
   """
 
@@ -170,8 +167,7 @@ class Run(NamedTuple):
   plotted: Sequence[tuple[str, str]]
   model: Mapping[str, Any]
   before_release: Callable[[LoopState], None] | None = None
-  after_release: Callable[[LoopState], None] | None = None
-  on_record: Callable[[dict], None] | None = None
+  print_records: bool = False
   write_extra: Callable[[str, dict], None] | None = None
 
 
@@ -509,12 +505,92 @@ class _Clock:
       self._started = (time.perf_counter(), time.process_time())
 
 
-def run_task(task: Task) -> dict:
+@dataclasses.dataclass
+class _Session:
+  """One run in progress: what its loop writes to (journal, ledger, history, progress,
+  TensorBoard, checkpoints) and the per-release calls it makes, top to bottom."""
+
+  task: Task
+  placed: _Placed
+  ledger: PrivacyLedger
+  root: RootKey
+  history: list[dict]
+  clock: _Clock
+  ckpt_dir: str
+  journal_path: str
+  fingerprint: str
+  data_sha256: str
+  seals: Mapping[int, Sequence[int]]  # SECRET: the digest of each released clipped sum
+  replay_until: int
+  callbacks: Sequence[Callable[[int], None]]
+  bar: Any = None
+  tracker: Any = None
+
+  def journal_release(self, state: LoopState) -> None:
+    """The journal entry of a release, written (process 0) before the release is made."""
+    if is_primary():
+      append_entry(self.journal_path, JournalEntry(
+          state.step, state.key_index, self.fingerprint, self.ledger.config._asdict(),
+          bool(self.root.seeded)))
+
+  def is_recorded_sum(self, state: LoopState, seal) -> bool:
+    """A replayed release must release a clipped sum of the seal recorded before the crash."""
+    expected = self.seals.get(state.key_index) if state.key_index < self.replay_until else None
+    return expected is None or host_words(seal) == tuple(expected)
+
+  def journal_seal(self, state: LoopState, seal) -> None:
+    """The release's seal, journaled at once, before anything of the release can be seen."""
+    words = host_words(seal)  # on every process: the step ends here, as on process 0
+    if is_primary():
+      append_seal(self.journal_path, state.key_index, words)
+
+  def after_release(self, state: LoopState, out: StepOutput) -> None:
+    """Evaluates and logs (every ``eval_every`` releases and at the end), calls the
+    caller's callbacks, checkpoints (every ``checkpoint_every``, not at the end)."""
+    config, run, done = self.task.config, self.placed.run, state.step
+    if done % (config.eval_every or run.eval_every) == 0 or done == self.placed.end:
+      self.log(_record(self.placed, self.ledger, done, state.params, self.clock), out)
+    if self.bar is not None:
+      self.bar.update(1)
+    for callback in self.callbacks:
+      callback(done)
+    if done % (config.checkpoint_every or run.steps_per_epoch) == 0 and done != self.placed.end:
+      with self.clock.paused():
+        self.save(state)
+
+  def log(self, record: dict, out: StepOutput | None = None) -> None:
+    """A history row: the NON-PRIVATE clip statistics with ``log_clip_stats``, printed (where
+    the task asks), to TensorBoard and the progress bar."""
+    run = self.placed.run
+    if out is not None and self.task.config.log_clip_stats:
+      record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
+      record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
+    self.history.append(record)
+    _print_record(run, record)
+    if self.tracker is not None:
+      self.tracker.scalars(record["step"], history_tags(record, run.tracked))
+    if self.bar is not None:
+      self.bar.set_postfix({k: f"{record[k]:.3f}" for k, _ in run.plotted})
+
+  def save(self, state: LoopState, stop: str | None = None) -> None:
+    """A checkpoint of ``state`` (SECRET), written by process 0."""
+    meta = {**_metadata(self.task, self.placed, self.root, self.ledger, state.key_index, stop,
+                        self.history, self.data_sha256), "elapsed": self.clock.elapsed()}
+    # Several processes: each gathers the leaves split over them; process 0 writes.
+    params, opt_state = gather_to_host((state.params, state.opt_state))
+    if is_primary():
+      save_checkpoint(self.ckpt_dir, TrainingCheckpoint(params, opt_state, state.step, meta))
+
+
+def run_task(task: Task, callbacks: Sequence[Callable[[int], None]] = ()) -> dict:
   """Runs (or resumes) one private training run of ``task`` and returns its results.
 
   Writes ``results.json``, ``history.csv``, ``curves.png`` (with ``plot``),
   owner-only checkpoints, the release journal and ``export/`` (the parameters
   and the privacy certificate, nothing secret) under ``config.output_dir``.
+  ``callbacks`` are called with the number of releases made after each release
+  and its evaluation, before its checkpoint, on every process (e.g. to measure
+  memory: ``benchmarks/_peak_memory.py``); they see no private value.
   """
   config = task.config
   if config.plot and is_primary():
@@ -529,85 +605,62 @@ def run_task(task: Task) -> dict:
   root = agree_on_root(root_key(config.seed) if metadata is None else RootKey(
       jnp.asarray(metadata["root_key"], jnp.uint32), metadata["seeded"]))
   placed = _build(task, root, search)
-  run = placed.run
-  ledger = _resumed_ledger(run, metadata)
+  ledger = _resumed_ledger(placed.run, metadata)
   if metadata is not None and metadata.get("stop_reason") in _FINISHED:
     return _finished(task, placed, ledger, root, ckpt_dir, metadata, resume_step)
   params, opt_state, start, history = _starting_point(placed, ckpt_dir, metadata, resume_step)
   fingerprint = run_fingerprint(config, data_sha256, noise_stream(opt_state),
                                 task.evaluation_fields)
-  seals = read_seals(journal_path)  # SECRET: the digest of each released clipped sum
-  plan = _plan_keys(run, ledger, journal_path, fingerprint, start, metadata, root, seals)
+  seals = read_seals(journal_path)
+  plan = _plan_keys(placed.run, ledger, journal_path, fingerprint, start, metadata, root, seals)
   check_same_everywhere("the run and its resume point", f"{fingerprint} {start} {plan}")
   state = LoopState(params, with_noise_counter(opt_state, plan.key_index), start, plan.key_index)
-
   if is_primary():  # a line torn by the crash would run into the next one
     mend_torn_line(journal_path)
-  clock = _Clock.resumed(metadata, start)
-
-  def save(state: LoopState, stop: str | None = None) -> None:
-    meta = {**_metadata(task, placed, root, ledger, state.key_index, stop, history, data_sha256),
-            "elapsed": clock.elapsed()}
-    # Several processes: each gathers the leaves split over them; process 0 writes.
-    params, opt_state = gather_to_host((state.params, state.opt_state))
-    if is_primary():  # several processes: process 0 writes checkpoints, journal and outputs
-      save_checkpoint(ckpt_dir, TrainingCheckpoint(params, opt_state, state.step, meta))
-
-  def before(state: LoopState) -> None:
-    if is_primary():  # the journal entry precedes its release
-      append_entry(journal_path, JournalEntry(state.step, state.key_index, fingerprint,
-                                              ledger.config._asdict(), bool(root.seeded)))
-    if run.before_release is not None:
-      run.before_release(state)
-
-  bar = _progress(placed.end, start, config.progress and is_primary())
-  tracker = _open_tracker(config.log_dir if is_primary() else None, start)
-  hooks = Hooks(before=before, **_seal_hooks(journal_path, seals, plan.replay_until),
-                after=_after_release(task, placed, ledger, history, bar, save, tracker, clock))
-  state, stop_reason = _releases(placed, ledger, state, hooks, plan.replay_until)
-  state, stop_reason = _settled(placed, ledger, plan.replay_until, state, stop_reason,
+  session = _Session(task, placed, ledger, root, history, _Clock.resumed(metadata, start),
+                     ckpt_dir, journal_path, fingerprint, data_sha256, seals, plan.replay_until,
+                     callbacks, bar=_progress(placed.end, start, config.progress and is_primary()),
+                     tracker=_open_tracker(config.log_dir if is_primary() else None, start))
+  state, stop_reason = _settled(placed, ledger, plan.replay_until, *_releases(session, state),
                                 config.epsilon)
-  if bar is not None:
-    bar.close()
-  elapsed = clock.elapsed()  # the releases' time, without the final checkpoint and outputs
-  save(state, stop_reason)
-  results = _finish(task, placed, ledger, history, state, stop_reason, clock, elapsed,
+  if session.bar is not None:
+    session.bar.close()
+  elapsed = session.clock.elapsed()  # the releases' time, without the final checkpoint and outputs
+  session.save(state, stop_reason)
+  results = _finish(task, placed, ledger, history, state, stop_reason, session.clock, elapsed,
                     root.seeded)
-  _close_tracker(tracker, history, run.tracked)
+  _close_tracker(session.tracker, history, placed.run.tracked)
   return results
 
 
-def _seal_hooks(journal_path: str, seals: Mapping[int, Sequence[int]],
-                replay_until: int) -> dict[str, Callable]:
-  """Journal each release's seal at once; a replay must release a sum of the recorded seal."""
+def _releases(session: _Session, state: LoopState) -> tuple[LoopState, str]:
+  """The run's loop: budget → journal → the task's probe → one release → its seal → the
+  ledger → evaluation, callbacks, checkpoint.
 
-  def sealed(state: LoopState, seal) -> None:
-    words = host_words(seal)  # on every process: the step ends here, as on process 0
-    if is_primary():  # before anything of the release can be seen
-      append_seal(journal_path, state.key_index, words)
-
-  def expected_seal(state: LoopState):
-    return seals.get(state.key_index) if state.key_index < replay_until else None
-
-  return {"sealed": sealed, "expected_seal": expected_seal}
-
-
-def _releases(placed: _Placed, ledger: PrivacyLedger, state: LoopState, hooks: Hooks,
-              replay_until: int) -> tuple[LoopState, str]:
-  """The loop's releases. A replayed release whose clipped sum is not the recorded one is
-  discarded unseen; it and the lost releases after it are charged, their keys skipped,
-  and the run goes on with fresh keys."""
+  A replayed release whose clipped sum is not the recorded one is discarded unseen; it
+  and the lost releases after it are charged, their keys skipped, and the run goes on
+  with fresh keys.
+  """
+  placed, ledger = session.placed, session.ledger
   run = placed.run
-  while True:
-    state, stop_reason = run_releases(
-        run.step_fn, state, placed.end, sampler=run.setup.sampler, optimizer=run.optimizer,
-        to_chunks=run.to_chunks, ledger=ledger, hooks=hooks)
-    if stop_reason != REPLAY_MISMATCH:
-      return state, stop_reason
-    state = _skip_lost(run, ledger, state, replay_until)
-    print(f"The release at step {state.step + 1} recomputed after the crash differs from the "
-          f"one made before it: the lost releases are charged (ε = {ledger.epsilon():.4f}), "
-          "fresh noise from here.")
+  while state.step < placed.end:
+    if not ledger.can_release(1):
+      return state, BUDGET
+    session.journal_release(state)
+    if run.before_release is not None:
+      run.before_release(state)
+    released = release(run.step_fn, state, sampler=run.setup.sampler, to_chunks=run.to_chunks)
+    if not session.is_recorded_sum(state, released.seal):  # another sum under a used key
+      state = _skip_lost(run, ledger, state, session.replay_until)
+      print(f"The release at step {state.step + 1} recomputed after the crash differs from "
+            f"the one made before it: the lost releases are charged (ε = "
+            f"{ledger.epsilon():.4f}), fresh noise from here.")
+      continue
+    session.journal_seal(state, released.seal)
+    ledger.record(run.setup.sampler, run.optimizer)
+    state = released.state
+    session.after_release(state, released.out)
+  return state, COMPLETED
 
 
 def _skip_lost(run: Run, ledger: PrivacyLedger, state: LoopState,
@@ -683,6 +736,12 @@ def _close_tracker(tracker, history: list[dict], tracked: Mapping[str, str]) -> 
   tracker.close()
 
 
+def _print_record(run: Run, record: dict) -> None:
+  """A history row as one JSON line on standard output, where the task asks (process 0)."""
+  if run.print_records and is_primary():
+    print(json.dumps(record), flush=True)
+
+
 def _record(placed: _Placed, ledger: PrivacyLedger, step: int, params: PyTree,
             clock: _Clock) -> dict:
   """One history row: the step, ε spent (the search's, the run's own beside it, for a run
@@ -698,39 +757,6 @@ def _record(placed: _Placed, ledger: PrivacyLedger, step: int, params: PyTree,
           "seconds": seconds, "cpu_seconds": cpu_seconds}
 
 
-def _after_release(task: Task, placed: _Placed, ledger, history, bar, save, tracker,
-                   clock: _Clock) -> Callable:
-  """Evaluates, logs and checkpoints after a release (the loop's ``after`` hook)."""
-  config, run = task.config, placed.run
-  eval_every = config.eval_every or run.eval_every
-  checkpoint_every = config.checkpoint_every or run.steps_per_epoch
-
-  def after(previous: LoopState, state: LoopState, out: StepOutput) -> None:
-    del previous
-    done = state.step
-    if run.after_release is not None:
-      run.after_release(state)
-    if done % eval_every == 0 or done == placed.end:
-      record = _record(placed, ledger, done, state.params, clock)
-      if config.log_clip_stats:
-        record["nonprivate_clip_fraction"] = float(out.stats.clip_fraction)
-        record["nonprivate_mean_grad_norm"] = float(out.stats.mean_norm)
-      history.append(record)
-      if run.on_record is not None and is_primary():
-        run.on_record(record)
-      if tracker is not None:
-        tracker.scalars(done, history_tags(record, run.tracked))
-      if bar is not None:
-        bar.set_postfix({k: f"{record[k]:.3f}" for k, _ in run.plotted})
-    if bar is not None:
-      bar.update(1)
-    if done % checkpoint_every == 0 and done != placed.end:
-      with clock.paused():
-        save(state)
-
-  return after
-
-
 def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop_reason,
             clock: _Clock, elapsed: tuple[float, float], seeded) -> dict:
   """Final evaluation, results.json, history.csv, the plot and the export.
@@ -741,8 +767,7 @@ def _finish(task: Task, placed: _Placed, ledger, history, state: LoopState, stop
   config, run = task.config, placed.run
   if not history or history[-1]["step"] != state.step:
     history.append(_record(placed, ledger, state.step, state.params, clock))
-    if run.on_record is not None and is_primary():
-      run.on_record(history[-1])
+    _print_record(run, history[-1])
   seconds, cpu_seconds = elapsed
   results = {**run.results(state.params, history),
              **_results(config, placed, ledger, stop_reason, seconds, cpu_seconds,
@@ -780,7 +805,8 @@ def _results(config: RunSettings, placed: _Placed, ledger: PrivacyLedger, stop_r
       "train_cpu_seconds": cpu_seconds,
       "seconds_per_epoch": seconds / steps_run * run.steps_per_epoch if steps_run else None,
       "guarantee": guarantee(ledger.epsilon(), config.delta, ledger.config.neighbouring,
-                             seeded),
+                             seeded, ledger.config.privacy_unit),
+      "privacy_unit": ledger.config.privacy_unit,
       # The seed is the root key of a seeded run: it stays in the owner-only checkpoints.
       "config": {**dataclasses.asdict(config), "seed": None},
       "export": "export",  # relative to the run's folder, which may be moved

@@ -56,8 +56,8 @@ ALLOWED_NAMES = frozenset({"seeded", "model_seed"})
 """...except these: a flag and the public initialisation seed, not key material."""
 
 _ADJACENCY = {
-    "add_remove": "add/remove-one-example",
-    "replace_one": "replace-one-example",
+    "add_remove": "add/remove-one-{unit}",
+    "replace_one": "replace-one-{unit}",
 }
 
 
@@ -75,11 +75,16 @@ def _library_version() -> str:
     return "unknown"
 
 
-def guarantee(epsilon: float, delta: float, adjacency: str, seeded: bool) -> str:
-  """The scope of a run's guarantee as one sentence (the certificate's and results.json's)."""
+def guarantee(epsilon: float, delta: float, adjacency: str, seeded: bool,
+              unit: str = "example") -> str:
+  """The scope of a run's guarantee as one sentence (the certificate's and results.json's);
+  ``unit="user"``: per user (all of one user's records)."""
+  per_user = " per user (neighbouring training sets differ in all records of one user)"
   text = (
-      f"({epsilon:.4g}, {delta:g})-differential privacy per run, for "
-      f"{_ADJACENCY.get(adjacency, adjacency)} adjacency of the training set; "
+      f"({epsilon:.4g}, {delta:g})-differential privacy per run"
+      f"{per_user if unit == 'user' else ''}, for "
+      f"{_ADJACENCY.get(adjacency, adjacency).format(unit=unit)} adjacency of the training "
+      "set; "
       "hyperparameter search across runs is not covered; "
       "non-private statistics (such as logged clipping fractions) are not covered"
   )
@@ -241,12 +246,13 @@ def privacy_certificate(
       "releases_in_checkpoint": ledger.count,
       "accountant": c.accountant,
       "adjacency": c.neighbouring,
+      "privacy_unit": c.privacy_unit,
       "denominator": c.denominator,
       "clipping": dict(clipping),
       "seeded": seeded,
       "secure_noise": bool(secure_noise),
       "library": {"name": "dpmuon-jax", "version": _library_version()},
-      "guarantee": guarantee(epsilon, c.target_delta, c.neighbouring, seeded),
+      "guarantee": guarantee(epsilon, c.target_delta, c.neighbouring, seeded, c.privacy_unit),
   }
   if model is not None:
     certificate["model"] = dict(model)

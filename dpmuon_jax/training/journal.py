@@ -60,6 +60,7 @@ import os
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
+from dpmuon_jax.privacy.accounting import LedgerConfig
 from dpmuon_jax.training.secret_files import private_open, write_private_file
 
 JOURNAL_NAME = "release_journal.jsonl"
@@ -200,8 +201,9 @@ def check_settings(entries: list[JournalEntry], privacy: dict[str, Any]) -> None
           f"the journal's release at key index {entry.key_index} does not record its privacy "
           "settings, so they cannot be compared with this run's"
       )
-    changed = {k: (entry.privacy.get(k), v) for k, v in privacy.items()
-               if entry.privacy.get(k) != v}
+    # A setting journaled before it existed had its default (LedgerConfig's).
+    recorded = {**LedgerConfig._field_defaults, **entry.privacy}
+    changed = {k: (recorded.get(k), v) for k, v in privacy.items() if recorded.get(k) != v}
     if changed:
       raise ValueError(
           f"the release at key index {entry.key_index} was made under other privacy settings "

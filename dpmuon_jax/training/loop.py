@@ -1,21 +1,23 @@
-"""The one training loop: budget → sample → step → record, with hooks for the rest.
+"""One release, and the plain loop of releases: budget → sample → step → record.
 
 ::
 
-    for each schedule step t:
-      stop if one more release would exceed the budget (the ledger)
-      before(t)                       e.g. journal the release, non-private probes
-      Poisson sample with key index k ─► padded chunks ─► ONE private step
-      a replay: stop unless its clipped sum's seal is the recorded one
-      sealed(t, seal)                 e.g. journal the seal (SECRET)
-      k ← k + 1;  ledger.record(...)
-      after(t + 1)                    e.g. evaluate, log, checkpoint
+    release(state):  Poisson sample with key index k ─► padded chunks ─► ONE private step
+                     ─► the next state (step t + 1, key index k + 1), the step's output
+                     and the released clipped sum's seal
 
-The image trainer, the GPT-2 trainer and the privacy audit all run this loop;
-what differs between them (how a sample becomes a batch, what is evaluated and
-saved) is passed in. The key index k selects the sample, the noise key and the
-augmentation of a release; it equals t unless a resumed run had to skip the
-keys of releases lost in a crash (:mod:`dpmuon_jax.training.journal`).
+    run_releases:    for each schedule step t: stop if one more release would exceed the
+                     budget (the ledger); release(state); ledger.record(...)
+
+:func:`release` is the unit every loop is written from: the one trainer
+(:func:`~dpmuon_jax.training.driver.run_task`) writes its own loop around it
+(journal, evaluation, checkpoints, in that order, each a call from the loop
+into a named function), the privacy audit another (the white-box adversary's
+residual). :func:`run_releases` is the loop with nothing around the
+releases, for a Python training run with a ledger and no files. The key
+index k selects the sample, the noise key and the augmentation of a release;
+it equals t unless a resumed run had to skip the keys of releases lost in a
+crash (:mod:`dpmuon_jax.training.journal`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from dpmuon_jax.training.step import PrivateStep, StepOutput
 
 PyTree = Any
 Chunks = Sequence[tuple[PyTree, Any]]
+ToChunks = Callable[[list[PaddedBatch], int], Chunks]
 
-COMPLETED, BUDGET, REPLAY_MISMATCH = "completed", "budget", "replay_mismatch"
+COMPLETED, BUDGET = "completed", "budget"
 
 
 class LoopState(NamedTuple):
@@ -47,31 +50,40 @@ class LoopState(NamedTuple):
   key_index: int
 
 
-class Hooks(NamedTuple):
-  """What a run does around each release (all optional).
+class Released(NamedTuple):
+  """One release: the state after it, the step's output (its NON-PRIVATE clip statistics
+  included) and the seal of the clipped sum it released (SECRET: the journal's)."""
 
-  Attributes:
-    before: ``before(state)`` before release ``state.step`` (e.g. write the
-      journal record that must precede it).
-    expected_seal: ``expected_seal(state) -> seal or None``: a replayed release must
-      release a clipped sum of this seal; otherwise its output is discarded unseen
-      and the loop stops (``"replay_mismatch"``) before recording it.
-    sealed: ``sealed(state, seal)`` right after the release of key index
-      ``state.key_index``, before anything else (e.g. journal the SECRET seal).
-    after: ``after(previous, state, out)`` after it; ``out`` carries the
-      NON-PRIVATE clip statistics of the step.
-  """
-
-  before: Callable[[LoopState], None] | None = None
-  expected_seal: Callable[[LoopState], Sequence[int] | None] | None = None
-  sealed: Callable[[LoopState, Any], None] | None = None
-  after: Callable[[LoopState, LoopState, StepOutput], None] | None = None
+  state: LoopState
+  out: StepOutput
+  seal: Any
 
 
 def host_words(seal: Any) -> tuple[int, ...]:
   """A seal's words on this host (from one local copy: it is replicated everywhere)."""
   local = seal.addressable_data(0) if isinstance(seal, jax.Array) else seal
   return tuple(int(w) for w in np.asarray(local).ravel())
+
+
+def release(step_fn: PrivateStep, state: LoopState, *, sampler: PoissonSampler,
+            to_chunks: ToChunks) -> Released:
+  """The release of schedule step ``state.step`` with key index ``state.key_index``.
+
+  Args:
+    step_fn: the private step (:func:`~dpmuon_jax.training.step.make_private_step`).
+    state: where the run is.
+    sampler: the Poisson sampler; the release uses ``sampler.sample(state.key_index)``.
+    to_chunks: ``(padded_batches, key_index) -> [(batch, mask), …]``: gathers
+      (and augments, places on devices) each padded batch of one sample.
+
+  Returns:
+    The state after the release (step and key index one further), the step's output and
+    the released sum's seal. The caller accounts for it (``ledger.record``).
+  """
+  chunks = to_chunks(sampler.sample(state.key_index), state.key_index)
+  out, seal = step_fn.released(state.params, state.opt_state, chunks)
+  return Released(LoopState(out.params, out.opt_state, state.step + 1, state.key_index + 1),
+                  out, seal)
 
 
 def run_releases(
@@ -81,48 +93,27 @@ def run_releases(
     *,
     sampler: PoissonSampler,
     optimizer: PrivateTransformation,
-    to_chunks: Callable[[list[PaddedBatch], int], Chunks],
-    ledger: PrivacyLedger | None,
-    hooks: Hooks | None = None,
+    to_chunks: ToChunks,
+    ledger: PrivacyLedger,
 ) -> tuple[LoopState, str]:
-  """Runs the releases of schedule steps ``state.step, …, end − 1``.
+  """Runs the releases of schedule steps ``state.step, …, end − 1``, each recorded.
 
   Args:
-    step_fn: the private step (:func:`~dpmuon_jax.training.step.make_private_step`).
+    step_fn, sampler, to_chunks: as :func:`release`.
     state: where to start.
     end: the schedule step to stop before.
-    sampler: the Poisson sampler; release k uses ``sampler.sample(k)``.
     optimizer: the private optimizer the step releases with (read by the ledger).
-    to_chunks: ``(padded_batches, key_index) -> [(batch, mask), …]``: gathers
-      (and augments, places on devices) each padded batch of one sample.
     ledger: stops the loop before a release that would exceed the budget and
-      records every release made; ``None`` only where the caller accounts
-      itself (the privacy audit).
-    hooks: see :class:`Hooks` (default: none).
+      records every release made.
 
   Returns:
-    The final state and why the loop stopped: ``"completed"`` (reached
-    ``end``), ``"budget"`` or ``"replay_mismatch"`` (:attr:`Hooks.expected_seal`).
+    The final state and why the loop stopped: ``"completed"`` (reached ``end``) or
+    ``"budget"``.
   """
-  hooks = Hooks() if hooks is None else hooks
-  if ledger is not None:  # before the first release, not after it
-    ledger.check(sampler, optimizer)
+  ledger.check(sampler, optimizer)  # before the first release, not after it
   while state.step < end:
-    if ledger is not None and not ledger.can_release(1):
+    if not ledger.can_release(1):
       return state, BUDGET
-    if hooks.before is not None:
-      hooks.before(state)
-    chunks = to_chunks(sampler.sample(state.key_index), state.key_index)
-    out, seal = step_fn.released(state.params, state.opt_state, chunks)
-    expected = None if hooks.expected_seal is None else hooks.expected_seal(state)
-    if expected is not None and host_words(seal) != tuple(expected):
-      return state, REPLAY_MISMATCH  # another sum under a used key: ``out`` is never seen
-    if hooks.sealed is not None:
-      hooks.sealed(state, seal)
-    previous = state
-    state = LoopState(out.params, out.opt_state, state.step + 1, state.key_index + 1)
-    if ledger is not None:
-      ledger.record(sampler, optimizer)
-    if hooks.after is not None:
-      hooks.after(previous, state, out)
+    state = release(step_fn, state, sampler=sampler, to_chunks=to_chunks).state
+    ledger.record(sampler, optimizer)
   return state, COMPLETED

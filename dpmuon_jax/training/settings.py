@@ -26,6 +26,7 @@ from typing import Any
 
 from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import ACCOUNTANTS, RDP
+from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, USER
 from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 
 Check = Callable[[str, Any], Any]
@@ -115,10 +116,14 @@ def validate(config: Any) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivacySettings:
-  """What every private run is calibrated to: (ε, δ), the clip C, the accountant and the seed.
+  """What every private run is calibrated to: (ε, δ), the clip C, the accountant, the seed
+  and the privacy unit.
 
   ``seed=None`` draws noise and sampling randomness from OS entropy; a seed
-  makes the run reproducible and is recorded as seeded.
+  makes the run reproducible and is recorded as seeded. ``privacy_unit="user"``
+  (user-level DP, :mod:`dpmuon_jax.data.users`): users are Poisson-sampled and each
+  sampled user adds ONE clipped vector, the mean gradient of their first
+  ``max_examples_per_user`` records, so (ε, δ) hold per user.
   """
 
   epsilon: float = setting(4.0, help="target ε of the whole run", check=checks.check_positive)
@@ -130,6 +135,12 @@ class PrivacySettings:
   seed: int | None = setting(
       None, check=checks.check_int, help="makes noise and sampling reproducible (recorded as "
       "seeded); default: OS entropy")
+  privacy_unit: str = setting(
+      EXAMPLE, choices=PRIVACY_UNITS, help="example: (ε, δ) per record; user: per user, all "
+      "of one user's records (needs each record's user)")
+  max_examples_per_user: int = setting(
+      16, check=checks.check_positive_int, help="user level: each user's first this many "
+      "records (data order) form its one clipped mean gradient; the rest are dropped, counted")
 
   def __post_init__(self) -> None:
     validate(self)
@@ -186,3 +197,9 @@ class RunSettings(PrivacySettings, RunControl):
   ``optimizer`` with its own default and check)."""
 
   optimizer: str = setting("dp_muon", help="a registered optimizer name")
+
+  def __post_init__(self) -> None:
+    validate(self)
+    if self.privacy_unit == USER and self.clipped_sum_method != "vmap":
+      raise ValueError("--privacy-unit user clips each user's mean gradient; ghost clipping "
+                       "clips per record: use --clipped-sum-method vmap.")

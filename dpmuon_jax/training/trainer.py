@@ -31,19 +31,21 @@ from dpmuon_jax import checks
 from dpmuon_jax.data.augment import augment
 from dpmuon_jax.data.images import ImageDataset, normalize
 from dpmuon_jax.data.loaders import TFDS_NAMES, load_dataset
+from dpmuon_jax.data.users import UserGroups, group_by_user
 from dpmuon_jax.distributed.mesh import shard_batch, sharded_capacity
 from dpmuon_jax.models.registry import MODEL_NAMES, model_and_loss
 from dpmuon_jax.optimizers import registry as optimizer_registry
-from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, clipping_by_name
+from dpmuon_jax.privacy.clipping import CLIPPING_STYLES, USER, clipping_by_name
 from dpmuon_jax.privacy.keys import RootKey, stream_key
+from dpmuon_jax.privacy.query import RECORD_MASK
 from dpmuon_jax.privacy.setup import make_private
 from dpmuon_jax.training.driver import (
-    RESULTS_NAME,
-    Run,
-    TrainingError,
-    recorded_config,
-    run_fingerprint,
-    run_task,
+  RESULTS_NAME,
+  Run,
+  TrainingError,
+  recorded_config,
+  run_fingerprint,
+  run_task,
 )
 from dpmuon_jax.training.journal import JOURNAL_NAME
 from dpmuon_jax.training.settings import RunSettings, setting
@@ -129,16 +131,23 @@ class TrainConfig(RunSettings):
         "delta": self.delta,
         "accountant": self.accountant,
         "secure_noise": self.secure_noise,
+        # Added later: recorded only where it differs from what older checkpoints had.
+        **({"privacy_unit": self.privacy_unit,
+            "max_examples_per_user": self.max_examples_per_user}
+           if self.privacy_unit == USER else {}),
     }
 
 
 def _validate(config: TrainConfig, data: ImageDataset) -> None:
   """What the fields' own checks cannot see: the data's size, two fields together, the
   optimizer's options."""
-  if config.batch_size > data.num_train:
+  if config.privacy_unit == USER:
+    _check_user_level(data)
+  units = _num_units(config, data)
+  if config.batch_size > units:
     raise TrainingError(
-        f"--batch-size must be in [1, {data.num_train}] (the training set size), "
-        f"got {config.batch_size}."
+        f"--batch-size must be in [1, {units}] (the training set's "
+        f"{'users' if config.privacy_unit == USER else 'size'}), got {config.batch_size}."
     )
   if config.secure_noise and config.clipped_sum_method != "vmap":
     raise TrainingError("--secure-noise rounds every clipped query to its grid, which ghost "
@@ -148,6 +157,29 @@ def _validate(config: TrainConfig, data: ImageDataset) -> None:
                                      "optimizer_options")
   except ValueError as error:
     raise TrainingError(str(error)) from None
+
+
+def _check_user_level(data: ImageDataset) -> None:
+  if data.user_train is None:
+    raise TrainingError("--privacy-unit user needs each training image's user: a "
+                        "'user_train' array in the .npz (ImageDataset.user_train).")
+
+
+def _num_units(config: TrainConfig, data: ImageDataset) -> int:
+  """N of the accounting: training images, or their users at user level."""
+  if config.privacy_unit != USER:
+    return data.num_train
+  return len(np.unique(np.asarray(data.user_train)))
+
+
+def _user_table(config: TrainConfig, data: ImageDataset) -> UserGroups:
+  """Each user's first ``max_examples_per_user`` image indices and their mask (U, m)."""
+  groups = group_by_user({"index": np.arange(data.num_train, dtype=np.int32)},
+                         np.asarray(data.user_train), config.max_examples_per_user)
+  print(f"user-level DP: {groups.num_users} users, {groups.records_kept} images kept, "
+        f"{groups.records_dropped} dropped past --max-examples-per-user "
+        f"{config.max_examples_per_user}.", flush=True)
+  return groups
 
 
 def _learning_rate_schedule(config: TrainConfig, total_steps: int,
@@ -202,6 +234,30 @@ def _make_batch_fn(data: ImageDataset, use_augment: bool) -> Callable:
     if use_augment:
       images = augment(key, images, crop_padding=info.crop_padding, hflip=info.hflip)
     return {"image": normalize(images, info.mean, info.std), "label": labels}
+
+  return batch_fn
+
+
+def _make_user_batch_fn(data: ImageDataset, use_augment: bool, users: UserGroups) -> Callable:
+  """Gathers a padded batch of USERS: (B, m) images, labels and ``record_mask``."""
+  info = data.info
+  x_train, y_train = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+  table = jnp.asarray(users.arrays["index"])
+  in_user = jnp.asarray(users.arrays[RECORD_MASK])
+
+  @jax.jit
+  def batch_fn(indices, mask, key):
+    """Padding users and unfilled slots are zero dummies, masked out."""
+    safe = jnp.where(mask, indices, 0)
+    records = in_user[safe] & mask[:, None]
+    rows = jnp.where(records, table[safe], 0)
+    images = jnp.where(records[..., None, None, None], x_train[rows], 0)
+    if use_augment:
+      flat = images.reshape((-1,) + images.shape[2:])
+      flat = augment(key, flat, crop_padding=info.crop_padding, hflip=info.hflip)
+      images = flat.reshape(images.shape)
+    return {"image": normalize(images, info.mean, info.std),
+            "label": jnp.where(records, y_train[rows], 0), RECORD_MASK: records}
 
   return batch_fn
 
@@ -285,9 +341,12 @@ class ImageTask:
   evaluation_fields: ClassVar[tuple[str, ...]] = ()  # eval_every is a run-control field
 
   def privacy_config(self) -> dict:
-    return self.config.privacy_config(self.data.num_train)
+    return self.config.privacy_config(_num_units(self.config, self.data))
 
   def data_arrays(self) -> Sequence[np.ndarray]:
+    if self.config.privacy_unit == USER:  # which images form each user's mean enters too
+      users = _user_table(self.config, self.data).arrays
+      return self.data.x_train, self.data.y_train, users["index"], users[RECORD_MASK]
     return self.data.x_train, self.data.y_train
 
   def build(self, root: RootKey, mesh: Mesh | None, rows_devices: int) -> Run:
@@ -297,23 +356,24 @@ class ImageTask:
         config.model, cast(int, data.num_classes), data.image_shape, seed=config.model_seed,
         tapped=config.clipped_sum_method != "vmap", **config.model_overrides,
     )
+    units = _num_units(config, data)
     setup = make_private(
-        target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=data.num_train,
+        target_epsilon=config.epsilon, target_delta=config.delta, dataset_size=units,
         expected_batch_size=config.batch_size, l2_clip_norm=config.clip, epochs=config.epochs,
         key=root, accountant=config.accountant, noise_multiplier=config.noise_multiplier,
         clipping=clipping_by_name(config.clipping, config.clip),
-        secure_noise=config.secure_noise,
+        secure_noise=config.secure_noise, privacy_unit=config.privacy_unit,
         # The padded batch must split evenly into devices × microbatches.
         capacity=sharded_capacity(
-            data.num_train, config.batch_size / data.num_train, rows_devices,
-            config.microbatch_size),
+            units, config.batch_size / units, rows_devices, config.microbatch_size),
     )
     schedule = _learning_rate_schedule(config, setup.steps)
     optimizer = optimizer_registry.build(config.optimizer, schedule, setup.release_kwargs,
                                          **_optimizer_options(config, setup.steps))
     step_fn = make_private_step(optimizer, loss_fn, microbatch_size=config.microbatch_size,
                                 mesh=mesh, clipped_sum_method=config.clipped_sum_method)
-    batch_fn = _make_batch_fn(data, config.augment)
+    batch_fn = (_make_batch_fn(data, config.augment) if config.privacy_unit != USER else
+                _make_user_batch_fn(data, config.augment, _user_table(config, data)))
     augmentation_key, _ = stream_key(root, "augmentation")
 
     def to_chunks(padded, key_index):
@@ -349,13 +409,16 @@ class ImageTask:
     }
 
 
-def train(config: TrainConfig, data: ImageDataset | None = None) -> dict:
+def train(config: TrainConfig, data: ImageDataset | None = None,
+          callbacks: Sequence[Callable[[int], None]] = ()) -> dict:
   """Runs (or resumes) one private training run and returns its results.
 
   Writes ``results.json``, ``history.csv``, ``curves.png``, owner-only
   checkpoints, the release journal and ``export/`` (the parameters and the
-  privacy certificate, nothing secret) under ``config.output_dir``.
+  privacy certificate, nothing secret) under ``config.output_dir``. ``callbacks`` are
+  called with the number of releases made after each release
+  (:func:`~dpmuon_jax.training.driver.run_task`).
   """
   data = load_dataset(config.dataset, config.data_dir) if data is None else data
   _validate(config, data)
-  return run_task(ImageTask(config, data))
+  return run_task(ImageTask(config, data), callbacks)
