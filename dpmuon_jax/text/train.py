@@ -403,23 +403,26 @@ class _LMData(NamedTuple):
 
 def load_split(config: LMTrainConfig, split: str) -> TextDataset:
   """A split of ``config.dataset``, without its public slice where ``config.public_slice``."""
+  if config.data_dir is None:
+    raise ValueError(f"{config.dataset!r} is read from --data-dir (or give --train-file).")
   data = load_text_dataset(config.dataset, config.data_dir, split)
   return data if config.public_slice is None else split_public_slice(data, config.public_slice)[0]
 
 
 def _tokenizer(config: LMTrainConfig) -> GPT2Tokenizer:
   """GPT-2's BPE from ``tokenizer_dir``, else ``data_dir/gpt2``, else tiktoken's ``"gpt2"``."""
-  if config.tokenizer_dir is None and config.data_dir is None:
-    return GPT2Tokenizer.from_tiktoken(config.vocab_size)
-  return GPT2Tokenizer(config.tokenizer_dir or os.path.join(config.data_dir, "gpt2"),
-                       config.vocab_size)
+  if config.tokenizer_dir is not None:
+    return GPT2Tokenizer(config.tokenizer_dir, config.vocab_size)
+  if config.data_dir is not None:
+    return GPT2Tokenizer(os.path.join(config.data_dir, "gpt2"), config.vocab_size)
+  return GPT2Tokenizer.from_tiktoken(config.vocab_size)
 
 
 def _load_lm_data(config: LMTrainConfig) -> _LMData:
   """Tokenizer, the training pairs (encoded, grouped by user at user level) and validation."""
   tokenizer = _tokenizer(config)
   if config.train_file is not None:
-    return _own_text(config, tokenizer)
+    return _own_text(config, config.train_file, tokenizer)
   train = load_split(config, config.train_split)
   valid = load_split(config, "valid")
   pairs = train.pairs[:config.train_subset]
@@ -447,12 +450,12 @@ def _by_user(config: LMTrainConfig, arrays: dict, users: np.ndarray) -> tuple[di
   return groups.arrays, groups.num_users
 
 
-def _own_text(config: LMTrainConfig, tokenizer: GPT2Tokenizer) -> _LMData:
+def _own_text(config: LMTrainConfig, train_file: str, tokenizer: GPT2Tokenizer) -> _LMData:
   """``--train-file`` (and ``--valid-file``, or ``--valid-fraction`` of it held out)."""
   user_field = config.user_field if config.privacy_unit == USER else None
-  train = load_records(config.train_file, tokenizer, config.max_length, config.text_records,
+  train = load_records(train_file, tokenizer, config.max_length, config.text_records,
                        user_field)
-  _note_truncated(config.train_file, train.truncated, train.num_records, config.max_length)
+  _note_truncated(train_file, train.truncated, train.num_records, config.max_length)
   arrays, users = train.arrays, train.users
   if config.valid_file is not None:
     valid = load_records(config.valid_file, tokenizer, config.max_length, config.text_records)
@@ -461,7 +464,7 @@ def _own_text(config: LMTrainConfig, tokenizer: GPT2Tokenizer) -> _LMData:
   else:
     held_out = _held_out(arrays["tokens"] if users is None else users, config.valid_fraction)
     if held_out.all() or not held_out.any():
-      raise RecordsError(f"{config.train_file}: --valid-fraction {config.valid_fraction} of "
+      raise RecordsError(f"{train_file}: --valid-fraction {config.valid_fraction} of "
                          f"{len(held_out)} {'records' if users is None else 'users'} leaves "
                          "no training or no validation record; give --valid-file.")
     valid_arrays = {k: np.asarray(v[held_out]) for k, v in arrays.items()}
