@@ -153,3 +153,46 @@ def test_the_image_trainer_samples_users_and_certifies_per_user(tmp_path, tiny_d
     train(dataclasses.replace(config, output_dir=str(tmp_path / "other")), tiny_data)
   with pytest.raises(TrainingError, match=r"\[1, 16\] \(the training set's users\)"):
     train(dataclasses.replace(config, batch_size=17, output_dir=str(tmp_path / "big")), data)
+
+
+@pytest.fixture(scope="module")
+def audited_people():
+  """One-run audits (10⁴ white-box canaries, ε = 2) where every canary is a person with 8
+  records: at user level (each a user of 8 records) and at example level (8 examples)."""
+  from dpmuon_jax.audit.run_audit import AuditConfig, audit
+
+  def run(unit):
+    return audit(AuditConfig(num_canaries=10_000, epsilon=2.0, steps=1, seed=1, audit_seed=2,
+                             privacy_unit=unit, records_per_canary=8))
+
+  return {unit: run(unit) for unit in ("user", "example")}
+
+
+def test_canaries_as_users_pass_the_user_level_audit(audited_people):
+  result = audited_people["user"]
+  assert result["epsilon_per"] == "user"
+  assert result["epsilon_hat"] <= result["epsilon_accountant"]
+  np.testing.assert_allclose(result["epsilon_accountant"], 2.0, rtol=2e-3)
+
+
+def test_example_level_dp_leaks_more_than_epsilon_about_an_eight_record_person(audited_people):
+  """The audit has the power to see the difference: per-record clipping lets a person move
+  the sum by 8·C, a true ε per person far above the accountant's per-example 2."""
+  result = audited_people["example"]
+  assert result["epsilon_per"] == "example"
+  assert result["epsilon_hat"] > result["epsilon_accountant"]
+
+
+def test_an_e2e_user_is_a_restaurant_or_a_table():
+  from types import SimpleNamespace
+
+  from dpmuon_jax.text.train import _pair_user
+
+  pair = SimpleNamespace(source="name : The Eagle | Type : coffee shop")
+  user = lambda field, dataset="e2e": _pair_user(SimpleNamespace(dataset=dataset,
+                                                                 user_field=field), pair)
+  assert user("name") == "The Eagle"
+  assert user("source") == pair.source  # every reference written for this one table
+  for field, dataset in (("author", "e2e"), ("name", "dart")):
+    with pytest.raises(ValueError, match="--user-field name"):
+      user(field, dataset)

@@ -5,6 +5,7 @@
     python -m dpmuon_jax.audit.run_audit                       # digits, white-box, ε = 2
     python -m dpmuon_jax.audit.run_audit --scoring black --canaries 1000
     python -m dpmuon_jax.audit.run_audit --noise-scale 0       # a broken release: no noise
+    python -m dpmuon_jax.audit.run_audit --privacy-unit user --records-per-canary 8
 
 Trains ONE small MLP with the library's private step (Poisson sampler, clipping,
 Gaussian release, SGD) on the training set plus the included canaries
@@ -16,6 +17,15 @@ multiplies the σ of the release but not the σ given to the accountant, to show
 that the audit catches such a bug when it is gross: with no noise ε̂ is far
 above ε, while σ/2 (a true ε about twice the claimed one) stays below the
 power of one run with 10⁴ canaries (ε̂ ≈ 1 against ε = 2).
+
+``--records-per-canary R`` makes each canary a person with R records (the same
+canary R times). Under ``--privacy-unit user`` every data record is a user of its
+own, each canary a user of R records, and the run is user-level DP (each user's
+mean query clipped once; :func:`~dpmuon_jax.privacy.query.per_user_query`): the
+canaries are users, and ε̂ must stay below the per-user ε. Under the default
+``example`` unit the same R-record canaries are each clipped record by record,
+so a person moves the sum by up to R·C: ε̂ measured on them may exceed the
+per-example ε, which is what example-level DP does not promise.
 """
 
 from __future__ import annotations
@@ -45,9 +55,11 @@ from dpmuon_jax.audit.canaries import (
     white_box_scores,
 )
 from dpmuon_jax.audit.one_run import epsilon_one_run
+from dpmuon_jax.data.users import group_by_user
 from dpmuon_jax.help_format import HelpFormatter
 from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, USER, Clipping
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.sampling import PADDING_INDEX, PaddedBatch, PoissonSampler, gather
 from dpmuon_jax.training.loop import LoopState, release
@@ -79,6 +91,8 @@ class AuditConfig:
   seed: int | None = None
   audit_seed: int | None = None
   model_seed: int = 0
+  privacy_unit: str = EXAMPLE  # "user": every canary and data record a user
+  records_per_canary: int = 1  # R: each canary a person with R copies of its record
 
 
 def _load(path: str | None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -145,6 +159,21 @@ def _with_canaries(x, y, rows: dict, included: np.ndarray) -> dict:
   }
 
 
+def _as_people(train: dict, num_data: int, config: AuditConfig) -> dict:
+  """Each included canary repeated R times; at user level one row per user.
+
+  Data record i is user i; included canary j is user ``num_data + j`` with R records, so
+  in :func:`~dpmuon_jax.data.users.group_by_user`'s sorted rows the data users come first.
+  """
+  r = config.records_per_canary
+  repeats = np.where(np.arange(len(train["label"])) < num_data, 1, r)
+  records = {k: np.repeat(v, repeats, axis=0) for k, v in train.items()}
+  if config.privacy_unit == EXAMPLE:
+    return records
+  users = np.repeat(np.arange(len(repeats)), repeats)
+  return group_by_user(records, users, r).arrays
+
+
 def _data_rows(train: dict, num_data: int, multiple: int):
   """The (non-canary) data rows of ``train`` as one padded batch and its mask."""
   rows = -(-num_data // multiple) * multiple
@@ -172,6 +201,10 @@ def check_config(config: AuditConfig) -> None:
     if seed is not None:
       checks.check_int(flag, seed)
   checks.check_nonnegative_int("--model-seed", config.model_seed)
+  if config.privacy_unit not in PRIVACY_UNITS:
+    raise ValueError(f"--privacy-unit must be one of {', '.join(PRIVACY_UNITS)}, "
+                     f"got {config.privacy_unit!r}.")
+  checks.check_positive_int("--records-per-canary", config.records_per_canary)
 
 
 def audit(config: AuditConfig) -> dict:
@@ -184,8 +217,8 @@ def audit(config: AuditConfig) -> dict:
   num_params = ravel_pytree(params)[0].shape[0]
   rows, score = _canaries(config, audit_key, x, y, classes, num_params)
   included = canary_membership(audit_key, config.num_canaries)
-  train = _with_canaries(x, y, rows, included)
-  n = len(train["label"])
+  train = _as_people(_with_canaries(x, y, rows, included), len(x), config)
+  n = len(train["label"])  # records, or users at user level
   root = root_key(config.seed)
   sigma = calibrate_noise_multiplier(
       config.epsilon, config.delta, config.sampling_rate, config.steps
@@ -196,7 +229,8 @@ def audit(config: AuditConfig) -> dict:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # σ = 0 warns: the broken run is meant to be broken
     optimizer = dp_sgd(config.learning_rate, config.clip, config.noise_scale * sigma,
-                       sampler.expected_batch_size, key=root)
+                       sampler.expected_batch_size, key=root,
+                       clipping=Clipping(config.clip, unit=config.privacy_unit))
   step = make_private_step(optimizer, query=canary_query(_loss, config.clip),
                            microbatch_size=config.microbatch_size)
   # With q = 1 the batch is public, so a white-box adversary who sees every
@@ -228,6 +262,7 @@ def audit(config: AuditConfig) -> dict:
       "noise_multiplier_released": config.noise_scale * sigma,
       "num_params": num_params,
       "num_included": int(included.sum()),
+      "epsilon_per": USER if config.privacy_unit == USER else EXAMPLE,
       "seconds": time.perf_counter() - started,
       "config": fields,
   }
@@ -281,6 +316,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                  help="accumulate the clipped sum in chunks of this many rows ('none': all)")
   p.add_argument("--model-seed", type=int, default=d.model_seed,
                  help="public initialisation seed (and the black-box canaries' picks)")
+  p.add_argument("--privacy-unit", choices=PRIVACY_UNITS, default=d.privacy_unit,
+                 help="example: each record clipped; user: each data record a user, each "
+                 "canary a user of --records-per-canary records, one clipped mean per user")
+  p.add_argument("--records-per-canary", type=int, default=d.records_per_canary,
+                 help="R: each canary a person with R copies of its record")
   return p
 
 

@@ -434,11 +434,17 @@ def _load_lm_data(config: LMTrainConfig) -> _LMData:
       encode_pairs(tokenizer, valid.pairs[:config.eval_pairs], config.max_length), n)
 
 
+E2E_USER_FIELDS = ("name", "source")
+
+
 def _pair_user(config: LMTrainConfig, pair) -> str:
-  if config.dataset != "e2e" or config.user_field != "name":
+  """E2E's user: ``name``, the restaurant (34 in the training split), or ``source``, the
+  meaning representation (every reference written for one table, about 4,900)."""
+  if config.dataset != "e2e" or config.user_field not in E2E_USER_FIELDS:
     raise ValueError("--privacy-unit user on a built-in dataset: E2E with --user-field name "
-                     "(the restaurant); your own records: --train-file with a user field.")
-  return e2e_name(pair.source)
+                     "(the restaurant) or source (the table); your own records: --train-file "
+                     "with a user field.")
+  return e2e_name(pair.source) if config.user_field == "name" else pair.source
 
 
 def _by_user(config: LMTrainConfig, arrays: dict, users: np.ndarray) -> tuple[dict, int]:
