@@ -339,6 +339,15 @@ class LedgerConfig(NamedTuple):
   accountant: str
   # What N counts and the guarantee protects: one example, or one user's records.
   privacy_unit: str = "example"
+  # Cyclic Poisson sampling's b groups (1: plain Poisson), and the release's BandMF bands
+  # (1: independent noise); bands ≤ cycle_length, and T releases are ⌈T/b⌉ participations.
+  cycle_length: int = 1
+  bands: int = 1
+
+
+def participations(steps: int, cycle_length: int = 1) -> int:
+  """⌈T/b⌉: the most releases one example takes part in under b-cyclic sampling."""
+  return -(-int(steps) // int(cycle_length))
 
 
 def _release_spec(release: Any) -> GaussianReleaseSpec:
@@ -353,6 +362,13 @@ def _release_spec(release: Any) -> GaussianReleaseSpec:
 
 def _config(sampler: Any, release: Any, target_delta, target_epsilon, accountant) -> LedgerConfig:
   spec = _release_spec(release)
+  cycle_length = int(getattr(sampler, "cycle_length", 1))
+  if spec.bands > cycle_length:
+    raise ValueError(
+        f"A BandMF release with {spec.bands} bands is private only under cyclic Poisson "
+        f"sampling with at least {spec.bands} groups (an example's releases {spec.bands} "
+        f"apart); the sampler has cycle_length={cycle_length}. Build it with "
+        f"PoissonSampler(..., cycle_length={spec.bands}).")
   return LedgerConfig(
       sampling_rate=float(sampler.sampling_rate),
       noise_multiplier=spec.noise_multiplier,
@@ -364,6 +380,8 @@ def _config(sampler: Any, release: Any, target_delta, target_epsilon, accountant
       target_epsilon=None if target_epsilon is None else float(target_epsilon),
       accountant=accountant,
       privacy_unit=spec.clipping.unit,
+      cycle_length=cycle_length,
+      bands=spec.bands,
   )
 
 
@@ -383,6 +401,8 @@ _RELEASE_FIELDS = (
     "neighbouring",
     "dataset_size",
     "privacy_unit",
+    "cycle_length",
+    "bands",
 )
 
 
@@ -444,7 +464,8 @@ class PrivacyLedger:
     """The dp-accounting event of ``steps`` releases (default: those recorded)."""
     steps = self.count if steps is None else steps
     return gaussian_release_event(
-        self.accounting_noise_multiplier, self.config.sampling_rate, steps
+        self.accounting_noise_multiplier, self.config.sampling_rate,
+        participations(steps, self.config.cycle_length),
     )
 
   def check(self, sampler: Any, release: Any) -> None:
@@ -490,7 +511,7 @@ class PrivacyLedger:
     return _epsilon(
         self.accounting_noise_multiplier,
         c.sampling_rate,
-        self.count + int(extra_steps),
+        participations(self.count + int(extra_steps), c.cycle_length),
         c.target_delta,
         c.accountant,
     )
@@ -504,7 +525,8 @@ class PrivacyLedger:
 
     Brackets T from one epoch (1/q) upwards by extrapolation in (log T,
     log ε), then :func:`refine_bracket` on the integers. Cached: a ledger's
-    configuration never changes.
+    configuration never changes. Under b-cyclic sampling the search runs over
+    participations P = ⌈T/b⌉, and T = b·P.
     """
     c = self.config
     if c.target_epsilon is None:
@@ -526,7 +548,7 @@ class PrivacyLedger:
           slope = math.log(eps_fails / eps_fits) / math.log(fails / fits)
           growth = (c.target_epsilon / eps_fails) ** (1.0 / slope)
         fits, fails = fails, max(fails + 1, math.ceil(1.1 * fails * min(growth, 1e3)))
-      self._max_steps = int(
+      self._max_steps = c.cycle_length * int(
           refine_bracket(
               lambda t: log_gap(epsilon(t), target),
               fits, fails, integer=True,

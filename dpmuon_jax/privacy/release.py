@@ -60,6 +60,9 @@ class GaussianReleaseSpec:
       accountant must then see σ/2).
     clipping: the rule that bounds each example's query by C (default flat
       clipping). Every step builder clips with it; asking for another is an error.
+    bands: b of a BandMF release (:mod:`~dpmuon_jax.privacy.correlated`): its noise is
+      correlated over b releases, which needs cyclic Poisson sampling with at least b
+      groups; 1 (default) is independent noise.
   """
 
   l2_clip_norm: float
@@ -69,6 +72,7 @@ class GaussianReleaseSpec:
   neighbouring: Neighbouring = ADD_REMOVE
   # None becomes as_clipping(l2_clip_norm) on init, so the field is always a Clipping.
   clipping: Clipping = None  # pyright: ignore[reportAssignmentType]
+  bands: int = 1
 
   def __post_init__(self):
     if self.clipping is None:
@@ -127,6 +131,19 @@ class GaussianReleaseState(NamedTuple):
 
   count: jax.Array  # index of the next noise key (int32); one per release
   noise_key: jax.Array  # raw uint32 key of the noise stream
+
+
+class BandMFReleaseState(NamedTuple):
+  """State of :func:`~dpmuon_jax.privacy.correlated.dp_bandmf_release`. SECRET: it holds
+  the noise key and the past noise.
+
+  ``count`` is the index of the next release (and of its noise key); ``buffers`` the
+  streaming state of C⁻¹ (jax_privacy's: its own row index and the last b solves).
+  """
+
+  count: jax.Array
+  noise_key: jax.Array
+  buffers: PyTree
 
 
 def gaussian_noise_like(tree: PyTree, key: jax.Array, std: float | jax.Array) -> PyTree:
@@ -392,22 +409,35 @@ def dp_release(
     if spec.secure_noise:
       released = _secure_release(clipped.total, params, spec)
     else:
-      step_key = jax.random.fold_in(state.noise_key, state.count)
-      std_on_sum = spec.noise_multiplier * spec.l2_clip_norm
-      noise = gaussian_noise_like(clipped.total, step_key, std_on_sum)
-      released = jax.tree.map(
-          lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
-          clipped.total, noise, params,
-      )
-      # Without noise there is no key to protect. Several processes: a host callback would
-      # run in one of them only; there the trainer's release journal guards the keys.
-      if spec.noise_multiplier > 0 and jax.process_count() == 1:
-        assert clipped.seal is not None  # the library seals every sum it makes
-        fresh = key_uses.check(state.noise_key, state.count, clipped.seal)
-        released = _nan_unless(fresh, released)
+      noise = independent_noise(clipped.total, state.noise_key, state.count, spec)
+      released = add_noise(clipped, noise, params, state.noise_key, state.count, spec, key_uses)
     return released, GaussianReleaseState(state.count + 1, state.noise_key)
 
   return PrivateTransformation.wrap(optax.GradientTransformationExtraArgs(init_fn, update_fn), spec)
+
+
+def independent_noise(total: PyTree, noise_key: jax.Array, count: jax.Array,
+                      spec: GaussianReleaseSpec) -> PyTree:
+  """z_t ~ N(0, σ²C² I) of release t = ``count``, from the key ``fold_in(noise_key, t)``."""
+  step_key = jax.random.fold_in(noise_key, count)
+  return gaussian_noise_like(total, step_key, spec.noise_multiplier * spec.l2_clip_norm)
+
+
+def add_noise(clipped: ClippedSum, noise: PyTree, params: PyTree, noise_key: jax.Array,
+              count: jax.Array, spec: GaussianReleaseSpec, key_uses: NoiseKeyUses) -> PyTree:
+  """(Σ clip + noise) / D in the parameters' dtypes; NaN if key ``count`` was used before
+  on another sum (:class:`NoiseKeyUses`)."""
+  released = jax.tree.map(
+      lambda s, z, p: ((s + z) / spec.denominator).astype(jnp.result_type(p)),
+      clipped.total, noise, params,
+  )
+  # Without noise there is no key to protect. Several processes: a host callback would
+  # run in one of them only; there the trainer's release journal guards the keys.
+  if spec.noise_multiplier > 0 and jax.process_count() == 1:
+    assert clipped.seal is not None  # the library seals every sum it makes
+    fresh = key_uses.check(noise_key, count, clipped.seal)
+    released = _nan_unless(fresh, released)
+  return released
 
 
 def _nan_unless(fresh: jax.Array, released: PyTree) -> PyTree:
@@ -613,7 +643,7 @@ def privatize(
 
 
 def _is_release_state(x: Any) -> bool:
-  return isinstance(x, GaussianReleaseState)
+  return isinstance(x, (GaussianReleaseState, BandMFReleaseState))
 
 
 def _release_states(opt_state: optax.OptState) -> list[GaussianReleaseState]:
@@ -648,6 +678,9 @@ def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptStat
   current = noise_counter(opt_state)
   if counter < current:
     raise ValueError(f"The noise counter only moves forward ({current} -> {counter} refused).")
+  if counter != current and isinstance(_release_states(opt_state)[0], BandMFReleaseState):
+    raise ValueError(f"A BandMF release follows the rows of its strategy in order: its noise "
+                     f"counter cannot skip releases ({current} -> {counter} refused).")
   return jax.tree.map(  # placed like the old count: a restored (committed) state stays so
       lambda x: x._replace(count=jnp.full_like(x.count, counter)) if _is_release_state(x)
       else x,

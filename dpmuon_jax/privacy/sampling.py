@@ -68,14 +68,28 @@ def default_capacity(dataset_size: int, sampling_rate: float, multiple_of: int =
   return max(multiple_of, -(-bound // multiple_of) * multiple_of)
 
 
+PARTITION_SPAWN_KEY = 2**31
+"""The spawn key of the cyclic partition's generator: one past the last step (steps are int32)."""
+
+
 class PoissonSampler:
-  """Poisson sampling with rate q over a dataset of N examples.
+  """Poisson sampling with rate q over a dataset of N examples, optionally cyclic.
+
+  With ``cycle_length`` b > 1 (cyclic Poisson sampling, the participation BandMF's
+  amplification needs: Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
+  Factorization", §4): each example is put in one of b groups, independently and
+  uniformly at random, once, from the sampling stream (secret; an independent
+  partition keeps add/remove adjacency); step t samples only group t mod b, each of its
+  examples with probability q. An example then takes part only in steps b apart, at most
+  ⌈T/b⌉ times, and the accountant composes ⌈T/b⌉ PoissonSampled(q, ·) events.
 
   Attributes:
     dataset_size: N.
-    sampling_rate: q; each example is in a step's sample independently with
+    sampling_rate: q; each eligible example is in a step's sample independently with
       probability q.
-    expected_batch_size: qN (the default public denominator D).
+    cycle_length: b, the number of groups (1: plain Poisson sampling, every example
+      eligible at every step).
+    expected_batch_size: qN/b (the default public denominator D).
     capacity: static number of rows of every returned batch.
     on_overflow: ``"chunk"`` or ``"raise"`` (see :meth:`sample`).
     seeded: whether the sampling randomness came from a user seed (reproducible)
@@ -90,6 +104,7 @@ class PoissonSampler:
       key: KeyLike = None,
       on_overflow: str = CHUNK,
       multiple_of: int = 8,
+      cycle_length: int = 1,
   ):
     """Builds the sampler.
 
@@ -103,6 +118,7 @@ class PoissonSampler:
       on_overflow: ``"chunk"`` returns a sample larger than ``capacity`` as
         several batches; ``"raise"`` raises a ValueError instead.
       multiple_of: the default capacity is rounded up to a multiple of this.
+      cycle_length: b ≥ 1 groups sampled in turn (see the class docstring).
     """
     if isinstance(dataset_size, bool) or not isinstance(dataset_size, (int, np.integer)):
       raise TypeError(f"dataset_size must be an int, got {dataset_size!r}.")
@@ -114,21 +130,35 @@ class PoissonSampler:
       raise ValueError(f"on_overflow must be {CHUNK!r} or {RAISE!r}, got {on_overflow!r}.")
     if multiple_of < 1:
       raise ValueError(f"multiple_of must be >= 1, got {multiple_of}.")
-    if capacity is None:
-      capacity = default_capacity(int(dataset_size), float(sampling_rate), multiple_of)
+    if isinstance(cycle_length, bool) or not isinstance(cycle_length, (int, np.integer)) or (
+        cycle_length < 1):
+      raise ValueError(f"cycle_length must be an int >= 1, got {cycle_length!r}.")
+    if capacity is None:  # a step's sample is Binomial(N, q/b): each example eligible 1/b
+      capacity = default_capacity(int(dataset_size), float(sampling_rate) / cycle_length,
+                                  multiple_of)
     if capacity < 1:
       raise ValueError(f"capacity must be >= 1, got {capacity}.")
     self.dataset_size = int(dataset_size)
     self.sampling_rate = float(sampling_rate)
     self.capacity = int(capacity)
     self.on_overflow = on_overflow
+    self.cycle_length = int(cycle_length)
     sampling_key, self.seeded = stream_key(key, "sampling")
     self._entropy = [int(w) for w in np.asarray(sampling_key, dtype=np.uint32)]
+    self._groups: np.ndarray | None = None
 
   @property
   def expected_batch_size(self) -> float:
-    """qN, the expected number of sampled examples per step."""
-    return self.sampling_rate * self.dataset_size
+    """qN/b, the expected number of sampled examples per step."""
+    return self.sampling_rate * self.dataset_size / self.cycle_length
+
+  def groups(self) -> np.ndarray:
+    """Each example's group in {0, …, b−1} (SECRET), drawn once from the sampling stream."""
+    if self._groups is None:
+      seed = np.random.SeedSequence(entropy=self._entropy, spawn_key=(PARTITION_SPAWN_KEY,))
+      rng = np.random.Generator(np.random.PCG64(seed))
+      self._groups = rng.integers(0, self.cycle_length, self.dataset_size).astype(np.int32)
+    return self._groups
 
   def sample_indices(self, step: int) -> np.ndarray:
     """The sorted indices of step ``step``'s sample, unpadded (SECRET)."""
@@ -137,6 +167,8 @@ class PoissonSampler:
     seed = np.random.SeedSequence(entropy=self._entropy, spawn_key=(int(step),))
     rng = np.random.Generator(np.random.PCG64(seed))
     included = rng.random(self.dataset_size) < self.sampling_rate
+    if self.cycle_length > 1:
+      included &= self.groups() == step % self.cycle_length
     return np.flatnonzero(included).astype(np.int32)
 
   def sample(self, step: int) -> list[PaddedBatch]:
