@@ -87,3 +87,18 @@ def test_stand_in_sizes_and_unknown_datasets():
   assert STAND_IN_SHAPES["cifar100"][2:] == (50_000, 10_000)
   with pytest.raises(ValueError, match="No stand-in"):
     stand_in_data(dataclasses.replace(EXPERIMENTS["svhn_cpu"], dataset="mnist"))
+
+
+def test_the_user_level_check_compares_per_user_against_per_record():
+  from experiments.user_level_check import USERS_PER_RELEASE, comparison
+
+  common = {"noise_multiplier": 0.54, "releases": 400, "epsilon_spent": 7.99}
+  example = {**common, "sampling_rate": 256 / 31_575, "valid_nll": 1.38, "test_bleu": 42.5,
+             "test_rouge_l": 51.9}
+  user = {**common, "sampling_rate": USERS_PER_RELEASE / 3641, "valid_nll": 1.6,
+          "test_bleu": 40.0, "test_rouge_l": 50.0}
+  rows = comparison(example, user, 3641, 31_575)
+  assert [r["privacy_unit"] for r in rows] == ["example", "user", "user − example"]
+  assert rows[0]["denominator"] == pytest.approx(256)
+  assert rows[1]["denominator"] == pytest.approx(32)
+  assert rows[2]["valid_nll"] == pytest.approx(0.22) and rows[2]["test_bleu"] == pytest.approx(-2.5)
