@@ -132,3 +132,17 @@ def test_the_noise_counter_of_bandmf_cannot_skip_releases():
   assert noise_counter(with_noise_counter(state, 0)) == 0
   with pytest.raises(ValueError, match="cannot skip"):
     with_noise_counter(state, 2)
+
+
+def test_dp_muon_post_processing_runs_on_a_bandmf_release():
+  from dpmuon_jax.optimizers.muon import muon
+  from dpmuon_jax.optimizers.private import private
+
+  optimizer = private(dp_bandmf_release(C, SIGMA, D, bandmf_strategy(3, 2), key=0), muon(0.02))
+  assert optimizer.release.bands == 2  # what the ledger reads
+  params = {"w": jnp.ones((8, 4))}
+  state = optimizer.init(params)
+  per_example = {"w": jnp.ones((4, 8, 4))}
+  for _ in range(3):
+    updates, state = optimizer.update(per_example, state, params)
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
