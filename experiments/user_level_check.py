@@ -20,7 +20,8 @@ the denominator D = qU = 32 users, so each release's noise σC/D is 8 times the
 example-level one's relative to a full batch of signal: that is the price.
 
 Writes ``experiments/results/e2e_user_level/``: ``runs.csv`` (the user-level
-row, as the text sweep writes it) and ``comparison.csv`` (both arms: privacy
+row, as the text sweep writes it), ``history.csv`` (its validation NLL every 50
+releases) and ``comparison.csv`` (both arms: privacy
 unit, units N, q, D, σ, validation NLL, test BLEU and ROUGE-L, and the
 user-level minus example-level difference). Restartable: a recorded row is not
 trained again, an interrupted run resumes from its checkpoint.
@@ -33,6 +34,7 @@ import csv
 import dataclasses
 import json
 import os
+import shutil
 
 from dpmuon_jax.privacy.clipping import USER
 from dpmuon_jax.text.train import LMTrainConfig, load_split
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     append_row(path, row)
   rows = comparison(_example_row(), {**row, "sampling_rate": config.sampling_rate}, num_users,
                     E2E_PRIVATE_TRAIN_PAIRS)
+  history = os.path.join(config.output_dir, "history.csv")  # validation NLL every 50 releases
+  if os.path.exists(history):  # a recorded row whose run folder is gone keeps the committed one
+    shutil.copyfile(history, os.path.join(args.out, "history.csv"))
   with open(os.path.join(args.out, "comparison.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
