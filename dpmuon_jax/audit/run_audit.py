@@ -59,10 +59,11 @@ from dpmuon_jax.data.users import group_by_user
 from dpmuon_jax.help_format import HelpFormatter
 from dpmuon_jax.optimizers import dp_sgd
 from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
-from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, USER, Clipping
+from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, Clipping
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.sampling import PADDING_INDEX, PaddedBatch, PoissonSampler, gather
 from dpmuon_jax.training.loop import LoopState, release
+from dpmuon_jax.training.settings import one_of
 from dpmuon_jax.training.step import make_private_step
 
 PyTree = Any
@@ -201,9 +202,7 @@ def check_config(config: AuditConfig) -> None:
     if seed is not None:
       checks.check_int(flag, seed)
   checks.check_nonnegative_int("--model-seed", config.model_seed)
-  if config.privacy_unit not in PRIVACY_UNITS:
-    raise ValueError(f"--privacy-unit must be one of {', '.join(PRIVACY_UNITS)}, "
-                     f"got {config.privacy_unit!r}.")
+  one_of(PRIVACY_UNITS)("--privacy-unit", config.privacy_unit)
   checks.check_positive_int("--records-per-canary", config.records_per_canary)
 
 
@@ -262,7 +261,7 @@ def audit(config: AuditConfig) -> dict:
       "noise_multiplier_released": config.noise_scale * sigma,
       "num_params": num_params,
       "num_included": int(included.sum()),
-      "epsilon_per": USER if config.privacy_unit == USER else EXAMPLE,
+      "epsilon_per": config.privacy_unit,
       "seconds": time.perf_counter() - started,
       "config": fields,
   }
