@@ -14,7 +14,7 @@ import json
 from dpmuon_jax import checks
 from dpmuon_jax.help_format import HelpFormatter
 
-_SHARED = ("epsilon", "delta", "noise_multiplier", "epochs", "accountant")
+_SHARED = ("epsilon", "delta", "noise_multiplier", "epochs", "accountant", "noise", "bands")
 
 
 def add(sub) -> None:
@@ -30,7 +30,9 @@ def add(sub) -> None:
       "given σ spends (--noise-multiplier), both with --sampling-rate q and --steps T; or a "
       "table of σ, q and T across expected batch sizes B at a fixed number of epochs "
       "(--batch-sizes, with --epsilon, --dataset-size N and --epochs: q = B/N, "
-      "T = epochs/q). Prints JSON (or the table).",
+      "T = epochs/q). With --noise bandmf --bands b (cyclic Poisson sampling over b groups, "
+      "each sampled at rate b·q in its turn) an example takes part in ⌈T/b⌉ releases, and "
+      "those are what is composed. Prints JSON (or the table).",
       formatter_class=HelpFormatter,
   )
   add_flags(account, TrainConfig, _SHARED, defaults={"epsilon": None, "epochs": None},
@@ -61,6 +63,20 @@ def check(args: argparse.Namespace) -> None:
   for flag, value in (("--steps", args.steps), ("--dataset-size", args.dataset_size)):
     if value is not None:
       checks.check_positive_int(flag, value)
+  if (args.noise == "bandmf") != (args.bands is not None):
+    raise ValueError("--bands goes with --noise bandmf, and --noise bandmf needs --bands.")
+
+
+def _composed(args: argparse.Namespace, q: float, steps: int) -> tuple[float, int]:
+  """(rate, compositions) the accountant composes: (q, T), or (b·q, ⌈T/b⌉) under b-cyclic
+  Poisson sampling."""
+  from dpmuon_jax.privacy.accounting import participations
+
+  bands = args.bands or 1
+  if bands * q > 1:
+    raise ValueError(f"--bands {bands} × q = {bands * q:g} > 1: each group would be sampled "
+                     "at a rate above 1.")
+  return bands * q, participations(steps, bands)
 
 
 def _table(args: argparse.Namespace) -> None:
@@ -76,7 +92,8 @@ def _table(args: argparse.Namespace) -> None:
       raise ValueError(f"batch size {batch} must be in [1, {args.dataset_size}].")
     q = batch / args.dataset_size
     steps = max(1, round(args.epochs / q))
-    sigma = calibrate_noise_multiplier(args.epsilon, args.delta, q, steps, args.accountant)
+    sigma = calibrate_noise_multiplier(args.epsilon, args.delta, *_composed(args, q, steps),
+                                       args.accountant)
     print(f"{batch:>8} {q:>10.5f} {steps:>8} {sigma:>10.4f}")
 
 
@@ -94,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
   if (epsilon is None) == (sigma is None):
     raise ValueError("give exactly one of --epsilon (to get σ) and --noise-multiplier "
                      "(--sigma, to get ε).")
+  rate, compositions = _composed(args, args.sampling_rate, args.steps)
   if sigma is not None:
-    epsilon = compute_epsilon(sigma, args.sampling_rate, args.steps, args.delta, args.accountant)
+    epsilon = compute_epsilon(sigma, rate, compositions, args.delta, args.accountant)
   else:
-    sigma = calibrate_noise_multiplier(epsilon, args.delta, args.sampling_rate, args.steps,
-                                       args.accountant)
+    sigma = calibrate_noise_multiplier(epsilon, args.delta, rate, compositions, args.accountant)
+  bandmf = {"noise": args.noise, "bands": args.bands, "rate_in_group": rate,
+            "participations": compositions} if args.bands else {"noise": args.noise}
   print(json.dumps({"sigma": sigma, "epsilon": epsilon, "delta": args.delta,
-                    "sampling_rate": args.sampling_rate, "steps": args.steps}))
+                    "sampling_rate": args.sampling_rate, "steps": args.steps, **bandmf}))
   return 0

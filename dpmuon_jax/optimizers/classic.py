@@ -16,6 +16,7 @@ import optax
 from dpmuon_jax import checks
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.correlated import IID, Noise
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import ADD_REMOVE, Neighbouring, PrivateTransformation
 
@@ -32,7 +33,8 @@ def dp_sgd(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, momentum: float | None = None,
     nesterov: bool = False, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None,
 ) -> PrivateTransformation:
   """DP-SGD (Abadi et al. 2016): θ ← θ − η·m_t with m_t = μ m_{t−1} + G̃_t.
 
@@ -45,7 +47,7 @@ def dp_sgd(
   if momentum is not None:
     checks.check_in_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
 
 
@@ -53,7 +55,8 @@ def dp_adam(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, eps_root: float = 0.0, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None,
 ) -> PrivateTransformation:
   """DP-Adam: Adam (Kingma & Ba 2015) on the release G̃_t.
 
@@ -63,7 +66,7 @@ def dp_adam(
   checks.check_learning_rate("learning_rate", learning_rate)
   _check_adam(b1, b2, eps, eps_root)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, optax.adam(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root))
 
 
@@ -71,14 +74,15 @@ def dp_adamw(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 1e-4, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None,
 ) -> PrivateTransformation:
   """DP-AdamW: Adam on G̃_t with decoupled weight decay θ ← θ − η(û_t + λθ)."""
   checks.check_learning_rate("learning_rate", learning_rate)
   _check_adam(b1, b2, eps)
   checks.check_nonnegative("weight_decay", weight_decay)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(
       release, optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
   )

@@ -70,6 +70,7 @@ from dpmuon_jax.optimizers.options import (
 )
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.correlated import IID, Noise
 from dpmuon_jax.privacy.disk_query import (
     DISK_PRESETS,
     disk_noise_multiplier,
@@ -254,7 +255,8 @@ def _disk_private(
 def dp_disk_sgd(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DiSK-SGD (DiSK §3): DiSK's query and release, then :func:`disk_sgd`.
 
@@ -262,8 +264,10 @@ def dp_disk_sgd(
     learning_rate: η on the unnormalised g_t, plain SGD's scale (the small
       CNN on CIFAR-10 learns for η in [0.3, 3]; paper 1's 0.01 is a
       normalised step length, see the module docstring).
-    l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring:
-      the release, see :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`.
+    l2_clip_norm, noise_multiplier, denominator, key: the release, see
+      :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`.
+    clipping, neighbouring, noise, bands, steps: the release's too (noise="bandmf":
+      correlated noise).
     **options: ``kappa``, ``gamma``: DiSK's κ in (0, 2] and γ, any real;
       defaults are the DiSK paper's (0.7, 0.5). Presets in
       :data:`dpmuon_jax.privacy.disk_query.DISK_PRESETS`.
@@ -276,7 +280,7 @@ def dp_disk_sgd(
     ``query`` is DiSK's; ``update`` also accepts plain per-example queries.
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return _disk_private(disk_sgd, learning_rate, release, **options)
 
 
@@ -284,7 +288,8 @@ def dp_disk_sgd(
 def dp_doppler_sgd(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DOPPLER-SGD (DOPPLER §3): the DP-SGD release, then :func:`doppler_sgd`.
 
@@ -293,7 +298,7 @@ def dp_doppler_sgd(
   ``bias_correction``.
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, doppler_sgd(learning_rate, **options))
 
 
@@ -301,7 +306,8 @@ def dp_doppler_sgd(
 def dp_disk_muon(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DiSK-Muon (paper 1, Table 15): DiSK's query and release, then :func:`disk_muon`.
 
@@ -310,7 +316,7 @@ def dp_disk_muon(
   and :func:`~dpmuon_jax.optimizers.muon.muon`'s).
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return _disk_private(disk_muon, learning_rate, release, **options)
 
 
@@ -318,7 +324,8 @@ def dp_disk_muon(
 def dp_doppler_muon(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DOPPLER-Muon (paper 1, Table 15, "EMA + UVᵀ", lr 0.02): the release, then :func:`doppler_muon`.
 
@@ -326,5 +333,5 @@ def dp_doppler_muon(
   ``composition``, and :func:`~dpmuon_jax.optimizers.muon.muon`'s).
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, doppler_muon(learning_rate, **options))

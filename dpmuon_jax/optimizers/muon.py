@@ -54,6 +54,7 @@ from dpmuon_jax.optimizers.options import (
 )
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.correlated import IID, Noise
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.release import ADD_REMOVE, Neighbouring, PrivateTransformation
 from dpmuon_jax.transforms.momentum import HEAVY_BALL
@@ -212,7 +213,8 @@ def muon_s(
 def dp_muon(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DP-Muon (paper 1, §Method): the Gaussian release, then :func:`muon`.
 
@@ -222,8 +224,10 @@ def dp_muon(
 
   Args:
     learning_rate: η of the Muon group (paper 1: 0.02).
-    l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring:
-      the release, see :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`.
+    l2_clip_norm, noise_multiplier, denominator, key: the release, see
+      :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`.
+    clipping, neighbouring, noise, bands, steps: the release's too (noise="bandmf":
+      correlated noise).
     **options: :func:`muon`'s (``beta``, ``nesterov``, ``ns``, ``weight_decay``,
       ``routing``, ``fallback``, ``attention_blocks``, ...).
 
@@ -231,7 +235,7 @@ def dp_muon(
     A :class:`~dpmuon_jax.privacy.release.PrivateTransformation`.
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, muon(learning_rate, **options))
 
 
@@ -239,12 +243,13 @@ def dp_muon(
 def dp_muon_s(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DP-Muon-S (paper 1, design 4): the release, then :func:`muon_s` (preset lr 0.3, β 0.9).
 
   Arguments as in :func:`dp_muon`; ``options`` are :func:`muon_s`'s.
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, muon_s(learning_rate, **options))

@@ -31,6 +31,7 @@ from dpmuon_jax.optimizers.options import Buffer, NewtonSchulz, forwards_options
 from dpmuon_jax.optimizers.private import ReleaseSettings, private
 from dpmuon_jax.privacy.clipping import Clipping
 from dpmuon_jax.privacy.composition import substitute_current
+from dpmuon_jax.privacy.correlated import IID, Noise
 from dpmuon_jax.privacy.disk_query import DISK_PRESETS
 from dpmuon_jax.privacy.inner_momentum import (
   InnerMomentumInputs,
@@ -106,7 +107,8 @@ def dp_muon_im(
     denominator: float, key: KeyLike = None, *, history: int = 1, decay: float = 0.5,
     fallback_history: int | None = None, fallback_decay: float | None = None,
     routing: Routing = "paper1", clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DP-Muon-IM (paper 2, §4): inner-momentum query, then DP-Muon's post-processing.
 
@@ -141,7 +143,7 @@ def dp_muon_im(
   slots = max(history, history if fallback_history is None else fallback_history)
   post = muon(learning_rate, routing=routing, **options)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, param_history(slots), post, query=query)
 
 
@@ -152,7 +154,8 @@ def dp_disk_muon_im(
     fallback_history: int | None = None, fallback_decay: float | None = None,
     kappa: float = DISK_PRESETS["paper2"].kappa, gamma: float = DISK_PRESETS["paper2"].gamma,
     routing: Routing = "paper1", clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """KF + IM (paper 2, appendix C's joint ablation): DiSK inside inner momentum, then DiSK-Muon.
 
@@ -181,7 +184,7 @@ def dp_disk_muon_im(
   slots = max(history, history if fallback_history is None else fallback_history)
   post = disk_muon(learning_rate, kappa=kappa, routing=routing, **options)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring)
+                            neighbouring, noise, bands, steps)
   return private(release, param_history(slots), post, query=query)
 
 
@@ -243,7 +246,8 @@ def muon_bc(
 def dp_muon_bc(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DP-Muon-BC (Kim & Fan 2026; paper 2's baseline): the release, then :func:`muon_bc`.
 
@@ -253,7 +257,7 @@ def dp_muon_bc(
   """
   root = root_key(key)
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, root, clipping,
-                            neighbouring).build()
+                            neighbouring, noise, bands, steps).build()
   post = muon_bc(learning_rate, noise_std=release.release.noise_std, key=root, **options)
   return private(release, post)
 
@@ -288,7 +292,8 @@ def adam_bc(
 def dp_adam_bc(
     learning_rate: optax.ScalarOrSchedule, l2_clip_norm: float, noise_multiplier: float,
     denominator: float, key: KeyLike = None, *, clipping: Clipping | None = None,
-    neighbouring: Neighbouring = ADD_REMOVE, **options: Any,
+    neighbouring: Neighbouring = ADD_REMOVE, noise: Noise = IID, bands: int | None = None,
+    steps: int | None = None, **options: Any,
 ) -> PrivateTransformation:
   """DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024): the release, then :func:`adam_bc`.
 
@@ -296,6 +301,6 @@ def dp_adam_bc(
   Arguments as in :func:`dpmuon_jax.dp_muon`; ``options``: :func:`adam_bc`'s.
   """
   release = ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring).build()
+                            neighbouring, noise, bands, steps).build()
   return private(release, adam_bc(learning_rate, noise_variance=release.release.noise_std**2,
                                   **options))

@@ -8,10 +8,14 @@
 :class:`ReleaseSettings` are the release's public settings; :func:`private`
 builds the release (:func:`~dpmuon_jax.privacy.release.dp_release`) and
 chains the post-processing after it (privacy invariant 7, docs/design.md).
+``noise="bandmf", bands=b, steps=T`` makes that release the banded
+matrix-factorization one (:mod:`~dpmuon_jax.privacy.correlated`) for every
+``dp_*`` optimizer alike: momentum and Newton–Schulz are post-processing of
+whatever release precedes them.
 Every ``dp_*`` optimizer of this package is::
 
     private(ReleaseSettings(l2_clip_norm, noise_multiplier, denominator, key, clipping,
-                            neighbouring),
+                            neighbouring, noise, bands, steps),
             post_processing(learning_rate, **options),
             query=...)  # only where the per-example query is not the gradient
 
@@ -27,6 +31,7 @@ import dataclasses
 import optax
 
 from dpmuon_jax.privacy.clipping import Clipping
+from dpmuon_jax.privacy.correlated import IID, Noise, gaussian_release, noise_strategy
 from dpmuon_jax.privacy.keys import KeyLike
 from dpmuon_jax.privacy.query import QuerySpec
 from dpmuon_jax.privacy.release import (
@@ -34,7 +39,6 @@ from dpmuon_jax.privacy.release import (
     Neighbouring,
     PrivateTransformation,
     check_public_constants,
-    dp_release,
     privatize,
 )
 
@@ -55,6 +59,13 @@ class ReleaseSettings:
     key: the run's root key or an int seed; ``None``: OS entropy.
     clipping: the clipping rule (default flat clipping at C).
     neighbouring: ``"add_remove"`` or ``"replace_one"``, recorded for the accountant.
+    noise: ``"iid"`` (default: fresh Gaussian noise per release, :func:`~dpmuon_jax.dp_release`)
+      or ``"bandmf"`` (banded matrix-factorization noise correlated over ``bands``
+      releases, :func:`~dpmuon_jax.privacy.correlated.dp_bandmf_release`), or a
+      :class:`~dpmuon_jax.privacy.correlated.BandMFStrategy` already built.
+    bands: b of ``"bandmf"``; private only under cyclic Poisson sampling with b groups
+      (``PoissonSampler(..., cycle_length=b)``, which ``make_private(noise="bandmf")`` builds).
+    steps: T, the releases the ``"bandmf"`` strategy is optimised for (it releases no more).
   """
 
   l2_clip_norm: float
@@ -63,19 +74,22 @@ class ReleaseSettings:
   key: KeyLike = None
   clipping: Clipping | None = None
   neighbouring: Neighbouring = ADD_REMOVE
+  noise: Noise = IID
+  bands: int | None = None
+  steps: int | None = None
 
   def __post_init__(self):
     # Before any post-processing factory runs, so optax.inject_hyperparams on a dp_* name
-    # meets this refusal first.
+    # meets these refusals first.
     check_public_constants(self.l2_clip_norm, self.noise_multiplier, self.denominator)
+    noise_strategy(self.noise, self.bands, self.steps)
 
   def build(self) -> PrivateTransformation:
     """The release with these settings (checked there), see :func:`dpmuon_jax.dp_release`."""
-    return dp_release(
+    return gaussian_release(
         self.l2_clip_norm, self.noise_multiplier, self.denominator, self.key, self.clipping,
-        self.neighbouring,
+        self.neighbouring, self.noise, self.bands, self.steps,
     )
-
 
 def private(
     release: ReleaseSettings | PrivateTransformation,

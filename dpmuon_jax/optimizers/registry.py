@@ -236,6 +236,9 @@ RUN_SETTINGS: Mapping[str, str] = MappingProxyType({
     "key": "a privacy setting (the root key of the noise, from the seed)",
     "clipping": "a privacy setting (the clipping rule)",
     "neighbouring": "a privacy setting (the adjacency of the guarantee)",
+    "noise": "a privacy setting (independent or correlated noise)",
+    "bands": "a privacy setting (the bands of correlated BandMF noise)",
+    "steps": "a privacy setting (the releases a BandMF strategy is built for)",
 })
 """The arguments a run gives every factory itself (the learning rate and the fields of
 :class:`~dpmuon_jax.optimizers.private.ReleaseSettings`): never options."""

@@ -6,6 +6,12 @@ derives ::
 
     q = B/N,   T = steps or round(epochs/q),   σ = calibrate(ε, δ, q, T),   D = qN
 
+With ``noise="bandmf", bands=b`` (correlated noise, :mod:`~dpmuon_jax.privacy.correlated`)
+the sampler is b-cyclic Poisson: each example in one of b secret groups, group t mod b
+sampled at q_b = bB/N at release t (expected batch still B), and σ is calibrated for the
+⌈T/b⌉ releases an example can take part in at rate q_b (the banded mechanism's
+amplification, Choquette-Choo et al., "(Amplified) Banded Matrix Factorization", §4).
+
 and builds the sampler, the release and the ledger from these numbers ONCE,
 so q, σ, D and T cannot disagree: the ledger reads them back from the
 sampler and release objects. The sampler and the release share one root key
@@ -21,14 +27,19 @@ from typing import Any, NamedTuple
 import optax
 
 from dpmuon_jax import checks
-from dpmuon_jax.privacy.accounting import RDP, PrivacyLedger, calibrate_noise_multiplier
+from dpmuon_jax.privacy.accounting import (
+    RDP,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    participations,
+)
 from dpmuon_jax.privacy.clipping import EXAMPLE, Clipping, as_clipping
+from dpmuon_jax.privacy.correlated import BANDMF, IID, NOISES, gaussian_release
 from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import ClippedSum, QueryFn, clipped_sum
 from dpmuon_jax.privacy.release import (
     DEFAULT_GRID_BITS,
     PrivateTransformation,
-    dp_release,
     privatize,
 )
 from dpmuon_jax.privacy.sampling import PoissonSampler
@@ -69,7 +80,7 @@ class PrivateSetup(NamedTuple):
 
     Each call builds a new release with these settings and a noise stream of its own.
     """
-    return privatize(dp_release(**self.release_kwargs), *post_processing)
+    return privatize(gaussian_release(**self.release_kwargs), *post_processing)
 
   def clipped_sum(
       self,
@@ -101,6 +112,8 @@ def make_private(
     noise_multiplier: float | None = None,
     secure_noise: bool = False,
     privacy_unit: str | None = None,
+    noise: str = IID,
+    bands: int | None = None,
 ) -> PrivateSetup:
   """From a privacy target to the sampler, release and ledger of one run.
 
@@ -149,21 +162,17 @@ def make_private(
     epochs = checks.check_positive("epochs", epochs)
     steps = max(1, round(epochs / sampling_rate))
   steps = checks.check_positive_int("steps", steps)
-  if noise_multiplier is None:
+  cycle_length = _cycle_length(noise, bands, expected_batch_size, dataset_size, secure_noise)
+  if noise_multiplier is None:  # each example can take part in ⌈T/b⌉ releases, at rate q_b
     noise_multiplier = calibrate_noise_multiplier(
-        target_epsilon, target_delta, sampling_rate, steps, accountant
+        target_epsilon, target_delta, sampling_rate * cycle_length,
+        participations(steps, cycle_length), accountant
     )
 
-  clipping = as_clipping(l2_clip_norm if clipping is None else clipping)
-  if privacy_unit is not None and privacy_unit != clipping.unit:
-    if clipping.unit != EXAMPLE:
-      raise ValueError(f"privacy_unit={privacy_unit!r} disagrees with the clipping rule's "
-                       f"unit {clipping.unit!r}.")
-    clipping = dataclasses.replace(clipping, unit=privacy_unit)
-  if secure_noise and clipping.grid_bits is None:
-    clipping = dataclasses.replace(clipping, grid_bits=DEFAULT_GRID_BITS)
+  clipping = _clipping(l2_clip_norm, clipping, privacy_unit, secure_noise)
   root = root_key(key)
-  sampler = PoissonSampler(dataset_size, sampling_rate, capacity=capacity, key=root)
+  sampler = PoissonSampler(dataset_size, sampling_rate * cycle_length, capacity=capacity,
+                           key=root, cycle_length=cycle_length)
   if denominator is None:
     denominator = sampler.expected_batch_size
   release_kwargs = {
@@ -172,7 +181,43 @@ def make_private(
       "denominator": float(denominator),
       "key": root,
       "clipping": clipping,
+      **({"noise": noise, "bands": cycle_length, "steps": steps} if noise == BANDMF else {}),
   }
-  release = dp_release(**release_kwargs)
+  release = gaussian_release(**release_kwargs)
   ledger = PrivacyLedger(sampler, release, target_delta, target_epsilon, accountant)
   return PrivateSetup(sampler, steps, float(noise_multiplier), release, ledger, release_kwargs)
+
+
+def _cycle_length(noise: str, bands: int | None, expected_batch_size: float,
+                  dataset_size: int, secure_noise: bool) -> int:
+  """b, the sampler's groups: ``bands`` for BandMF noise, 1 for independent noise."""
+  if noise not in NOISES:
+    raise ValueError(f"noise must be one of {', '.join(NOISES)}, got {noise!r}.")
+  if noise == IID:
+    if bands is not None:
+      raise ValueError("bands is a setting of noise='bandmf'; noise='iid' takes none.")
+    return 1
+  bands = checks.check_positive_int("bands", bands)
+  if secure_noise:
+    raise ValueError("secure_noise adds exact discrete noise, available with noise='iid' "
+                     "only.")
+  if bands * expected_batch_size > dataset_size:
+    raise ValueError(f"bands × expected_batch_size must not exceed dataset_size: each of "
+                     f"the {bands} groups of about {dataset_size / bands:g} examples gives an "
+                     f"expected {expected_batch_size:g} per release (got "
+                     f"{bands} × {expected_batch_size:g} > {dataset_size}).")
+  return bands
+
+
+def _clipping(l2_clip_norm: float, clipping: Clipping | None, privacy_unit: str | None,
+              secure_noise: bool) -> Clipping:
+  """The run's clipping rule, with its privacy unit and (secure noise) its grid."""
+  clipping = as_clipping(l2_clip_norm if clipping is None else clipping)
+  if privacy_unit is not None and privacy_unit != clipping.unit:
+    if clipping.unit != EXAMPLE:
+      raise ValueError(f"privacy_unit={privacy_unit!r} disagrees with the clipping rule's "
+                       f"unit {clipping.unit!r}.")
+    clipping = dataclasses.replace(clipping, unit=privacy_unit)
+  if secure_noise and clipping.grid_bits is None:
+    clipping = dataclasses.replace(clipping, grid_bits=DEFAULT_GRID_BITS)
+  return clipping

@@ -508,6 +508,7 @@ def _lm_setup(config: LMTrainConfig, n: int, root, rows_devices: int = 1) -> Pri
       expected_batch_size=config.sampling_rate * n, l2_clip_norm=config.clip,
       steps=config.steps, key=root, accountant=config.accountant,
       denominator=config.denominator, privacy_unit=config.privacy_unit,
+      noise=config.noise, bands=config.bands,
       capacity=config.capacity or sharded_capacity(n, config.sampling_rate, rows_devices,
                                                    config.microbatch_size),
   )
@@ -618,6 +619,7 @@ def _new_privacy_fields(c: LMTrainConfig) -> dict:
   if c.privacy_unit == USER:
     fields.update(privacy_unit=c.privacy_unit, user_field=c.user_field,
                   max_examples_per_user=c.max_examples_per_user)
+  fields.update(c.noise_config())
   return fields
 
 

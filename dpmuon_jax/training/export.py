@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from dpmuon_jax.privacy.accounting import PrivacyLedger
+from dpmuon_jax.privacy.accounting import LedgerConfig, PrivacyLedger, participations
 from dpmuon_jax.training.checkpoint import restore_untyped
 from dpmuon_jax.training.journal import JOURNAL_NAME, read_records, releases_after
 
@@ -199,6 +199,27 @@ def certified(statement: Mapping[str, Any], search: Mapping[str, Any] | None,
           "tuning": dict(search["tuning"])}
 
 
+def noise_mechanism(config: LedgerConfig, releases: int) -> dict:
+  """The noise, its strategy and the sampling the accountant assumed, for a certificate.
+
+  Independent noise: Poisson sampling at rate q, T compositions. BandMF (b bands): b-cyclic
+  Poisson sampling, q the rate within the group sampled at a release, and ⌈T/b⌉
+  compositions (Choquette-Choo et al., "(Amplified) Banded Matrix Factorization", §4).
+  """
+  if config.bands == 1:
+    return {"noise": "iid", "sampling": "poisson", "participations": releases}
+  return {
+      "noise": "bandmf",
+      "bands": config.bands,
+      "strategy": (f"column-normalised {config.bands}-banded lower-triangular Toeplitz C, "
+                   "optimised for the run's planned releases (jax_privacy); release t adds "
+                   "row t of σC·C⁻¹Z"),
+      "sampling": f"cyclic poisson over {config.cycle_length} groups",
+      "cycle_length": config.cycle_length,
+      "participations": participations(releases, config.cycle_length),
+  }
+
+
 def privacy_certificate(
     ledger: PrivacyLedger,
     *,
@@ -227,7 +248,8 @@ def privacy_certificate(
     the release, ``accounting_noise_multiplier`` (σ as the accountant saw
     it), ``sampling_rate`` q, ``releases``, ``accountant``, ``adjacency``,
     ``denominator`` D, ``clipping``, ``seeded``, ``secure_noise``,
-    ``library`` and ``guarantee`` (the scope, as a sentence). ``releases``
+    ``library``, ``guarantee`` (the scope, as a sentence) and ``mechanism``
+    (:func:`noise_mechanism`). ``releases``
     counts every release made (and ``epsilon`` is theirs);
     ``releases_in_checkpoint`` those the exported state's ledger had recorded.
   """
@@ -253,6 +275,7 @@ def privacy_certificate(
       "secure_noise": bool(secure_noise),
       "library": {"name": "dpmuon-jax", "version": _library_version()},
       "guarantee": guarantee(epsilon, c.target_delta, c.neighbouring, seeded, c.privacy_unit),
+      "mechanism": noise_mechanism(c, ledger.count + releases_after_checkpoint),
   }
   if model is not None:
     certificate["model"] = dict(model)

@@ -27,6 +27,7 @@ from typing import Any
 from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import ACCOUNTANTS, RDP
 from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, USER
+from dpmuon_jax.privacy.correlated import BANDMF, IID, NOISES
 from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 
 Check = Callable[[str, Any], Any]
@@ -116,8 +117,8 @@ def validate(config: Any) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivacySettings:
-  """What every private run is calibrated to: (ε, δ), the clip C, the accountant, the seed
-  and the privacy unit.
+  """What every private run is calibrated to: (ε, δ), the clip C, the accountant, the seed,
+  the privacy unit and the noise.
 
   ``seed=None`` draws noise and sampling randomness from OS entropy; a seed
   makes the run reproducible and is recorded as seeded. ``privacy_unit="user"``
@@ -141,9 +142,26 @@ class PrivacySettings:
   max_examples_per_user: int = setting(
       16, check=checks.check_positive_int, help="user level: each user's first this many "
       "records (data order) form its one clipped mean gradient; the rest are dropped, counted")
+  noise: str = setting(
+      IID, choices=NOISES, help="iid: fresh Gaussian noise per release; bandmf: banded "
+      "matrix-factorization noise, correlated over --bands releases, with cyclic Poisson "
+      "sampling (each example in one of b groups, sampled every b-th release)")
+  bands: int | None = setting(
+      None, check=checks.check_positive_int, help="--noise bandmf: the bands b (and groups "
+      "of the cyclic sampler); b = 1 is independent noise")
 
   def __post_init__(self) -> None:
     validate(self)
+    self.check_noise()
+
+  def check_noise(self) -> None:
+    """``--bands`` exactly when ``--noise bandmf``."""
+    if (self.noise == BANDMF) != (self.bands is not None):
+      raise ValueError("--bands goes with --noise bandmf, and --noise bandmf needs --bands.")
+
+  def noise_config(self) -> dict:
+    """The correlated-noise settings, as a checkpoint records them (none for iid noise)."""
+    return {"noise": self.noise, "bands": self.bands} if self.noise != IID else {}
 
 
 def _positive_int(help: str, default: int | None = None) -> Any:
@@ -200,6 +218,7 @@ class RunSettings(PrivacySettings, RunControl):
 
   def __post_init__(self) -> None:
     validate(self)
+    self.check_noise()
     if self.privacy_unit == USER and self.clipped_sum_method != "vmap":
       raise ValueError("--privacy-unit user clips each user's mean gradient; ghost clipping "
                        "clips per record: use --clipped-sum-method vmap.")

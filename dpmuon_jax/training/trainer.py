@@ -135,6 +135,7 @@ class TrainConfig(RunSettings):
         **({"privacy_unit": self.privacy_unit,
             "max_examples_per_user": self.max_examples_per_user}
            if self.privacy_unit == USER else {}),
+        **self.noise_config(),
     }
 
 
@@ -363,6 +364,7 @@ class ImageTask:
         key=root, accountant=config.accountant, noise_multiplier=config.noise_multiplier,
         clipping=clipping_by_name(config.clipping, config.clip),
         secure_noise=config.secure_noise, privacy_unit=config.privacy_unit,
+        noise=config.noise, bands=config.bands,
         # The padded batch must split evenly into devices × microbatches.
         capacity=sharded_capacity(
             units, config.batch_size / units, rows_devices, config.microbatch_size),

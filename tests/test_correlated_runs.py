@@ -1,0 +1,147 @@
+"""BandMF noise through every dp_* optimizer, make_private, both command lines and a resume."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("jax_privacy")
+
+from dpmuon_jax.optimizers import registry  # noqa: E402
+from dpmuon_jax.privacy.accounting import participations  # noqa: E402
+from dpmuon_jax.privacy.release import BandMFReleaseState  # noqa: E402
+from dpmuon_jax.privacy.setup import make_private  # noqa: E402
+from dpmuon_jax.training.export import load_exported  # noqa: E402
+from dpmuon_jax.training.journal import read_journal  # noqa: E402
+from dpmuon_jax.training.trainer import JOURNAL_NAME, TrainConfig, train  # noqa: E402
+
+BANDMF = {"noise": "bandmf", "bands": 3, "steps": 5}
+
+
+def _release_states(state):
+  return [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, BandMFReleaseState))
+          if isinstance(s, BandMFReleaseState)]
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_registered_optimizer_takes_bandmf_noise(name):
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+  release = {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "denominator": 8.0, "key": 0}
+  optimizer = registry.build(name, None, {**release, **BANDMF})
+  assert optimizer.release.bands == 3
+  states = _release_states(optimizer.init(params))
+  assert len(states) == 1  # ONE release, its buffers of the parameters' shapes
+  iid = registry.build(name, None, release)
+  assert iid.release.bands == 1 and not _release_states(iid.init(params))
+
+
+def test_noise_settings_are_refused_where_they_do_not_fit():
+  import dpmuon_jax as dm
+
+  with pytest.raises(ValueError, match="needs bands=b and steps=T"):
+    dm.dp_muon(0.02, 1.0, 1.0, 8.0, noise="bandmf", bands=4)
+  with pytest.raises(ValueError, match="noise='iid'"):
+    dm.dp_sgd(0.1, 1.0, 1.0, 8.0, bands=4)
+  with pytest.raises(ValueError, match="noise must be one of"):
+    dm.dp_adam(1e-3, 1.0, 1.0, 8.0, noise="blt-typo")
+  with pytest.raises(ValueError, match="must not exceed dataset_size"):
+    make_private(target_epsilon=4, target_delta=1e-5, dataset_size=1000, expected_batch_size=300,
+                 l2_clip_norm=1.0, steps=10, noise="bandmf", bands=4)
+  with pytest.raises(ValueError, match="--bands goes with --noise bandmf"):
+    TrainConfig(noise="bandmf")
+
+
+def test_make_private_calibrates_sigma_for_the_participations_of_cyclic_sampling():
+  """σ must reach ε over ⌈T/b⌉ compositions at the within-group rate b·B/N (an independent
+  dp_accounting RDP computation), and the sampler's expected batch stays B."""
+  n, batch, bands, delta = 45_000, 256, 4, 1e-5
+  setup = make_private(target_epsilon=4.0, target_delta=delta, dataset_size=n,
+                       expected_batch_size=batch, l2_clip_norm=1.0, epochs=6, key=0,
+                       noise="bandmf", bands=bands)
+  assert setup.sampler.cycle_length == bands
+  assert setup.sampler.expected_batch_size == pytest.approx(batch)
+  assert setup.release.release.bands == bands
+  compositions = math.ceil(setup.steps / bands)
+  event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+      bands * batch / n, dp_accounting.GaussianDpEvent(setup.noise_multiplier)), compositions)
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(event)
+  epsilon = accountant.get_epsilon(delta)
+  assert 3.99 <= epsilon <= 4.0
+  assert setup.ledger.epsilon_after(setup.steps) == pytest.approx(epsilon, rel=1e-6)
+  assert participations(setup.steps, bands) == compositions
+  # Accounted as plain Poisson at rate B/N over T compositions, this σ would spend more.
+  iid = make_private(target_epsilon=4.0, target_delta=delta, dataset_size=n,
+                     expected_batch_size=batch, l2_clip_norm=1.0, epochs=6, key=0)
+  assert iid.noise_multiplier < setup.noise_multiplier
+
+
+def test_dpmuon_account_gives_make_privates_sigma():
+  setup = make_private(target_epsilon=4.0, target_delta=1e-5, dataset_size=45_000,
+                       expected_batch_size=256, l2_clip_norm=1.0, steps=1055, key=0,
+                       noise="bandmf", bands=4)
+  out = subprocess.run(
+      [sys.executable, "-m", "dpmuon_jax.cli", "account", "--epsilon", "4", "--sampling-rate",
+       str(256 / 45_000), "--steps", "1055", "--noise", "bandmf", "--bands", "4"],
+      capture_output=True, text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  printed = json.loads(out.stdout)
+  assert printed["sigma"] == pytest.approx(setup.noise_multiplier, rel=1e-4)
+  assert printed["participations"] == 264 and printed["noise"] == "bandmf"
+
+
+_RUN = dict(model="mlp", dataset="tiny", optimizer="dp_muon", epsilon=50.0, delta=1e-3,
+            batch_size=16, epochs=4, seed=3, progress=False, plot=False, learning_rate=0.02,
+            checkpoint_every=3, noise="bandmf", bands=2)
+
+_KILLABLE = """
+import json, sys
+import numpy as np
+from dpmuon_jax.data.images import ImageDataset
+from dpmuon_jax.training.trainer import TrainConfig, train
+rng = np.random.default_rng(0)
+x = rng.integers(0, 256, size=(80, 8, 8, 1), dtype=np.uint8)
+y = rng.integers(0, 3, size=(80,))
+data = ImageDataset(x[:64], y[:64], x[64:], y[64:], num_classes=3, name="tiny")
+train(TrainConfig(**json.loads(sys.argv[1])), data)
+"""
+
+
+def test_a_sigkilled_bandmf_run_resumes_to_the_uninterrupted_parameters(tmp_path, tiny_data):
+  """DP-Muon over BandMF noise (b = 2), killed after 7 releases (its last checkpoint at 6 or
+  earlier): the resumed run restores the noise buffers, replays the lost releases with their
+  keys and ends on the uninterrupted run's parameters, bit for bit, with its certificate."""
+  whole = train(TrainConfig(**_RUN, output_dir=str(tmp_path / "whole")), tiny_data)
+  killed = str(tmp_path / "killed")
+  journal = os.path.join(killed, JOURNAL_NAME)
+  child = subprocess.Popen([sys.executable, "-c", _KILLABLE,
+                            json.dumps({**_RUN, "output_dir": killed})],
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  try:
+    deadline = time.time() + 240
+    while len(read_journal(journal)) < 7 and child.poll() is None and time.time() < deadline:
+      time.sleep(0.02)
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+  made = len(read_journal(journal))
+  assert 7 <= made < whole["releases"]
+  resumed = train(TrainConfig(**_RUN, output_dir=killed, resume=True), tiny_data)
+  assert resumed["releases"] == whole["releases"] == 16
+  assert resumed["epsilon_spent"] == pytest.approx(whole["epsilon_spent"], rel=1e-12)
+  ours = load_exported(os.path.join(killed, "export"))
+  theirs = load_exported(os.path.join(str(tmp_path / "whole"), "export"))
+  chex.assert_trees_all_equal(ours.params, theirs.params)
+  mechanism = ours.certificate["mechanism"]
+  assert mechanism == theirs.certificate["mechanism"]
+  assert (mechanism["noise"], mechanism["bands"], mechanism["cycle_length"],
+          mechanism["participations"]) == ("bandmf", 2, 2, 8)
+  assert mechanism["sampling"] == "cyclic poisson over 2 groups"
