@@ -14,6 +14,12 @@ and release objects themselves, refuses a release made under other settings,
 serialises to JSON, and tells a training loop when the next release would
 exceed the budget.
 
+A BLT release (:func:`~dpmuon_jax.privacy.correlated.dp_blt_release`) is not banded, so no
+amplification by sampling is claimed for it: its first t releases are post-processing of ONE
+Gaussian mechanism on C_t X of noise multiplier σ/Δ_t, Δ_t its sensitivity when one example
+takes part in releases b apart (b the sampler's ``cycle_length``;
+:func:`~dpmuon_jax.privacy.correlated.blt_sensitivity`), and ε(t) is that event's.
+
 dp-accounting logs warnings when a fractional RDP order does not converge
 (that order is then excluded, which can only increase ε); they are kept out of
 the user's output. The ε returned is always a valid upper bound.
@@ -37,6 +43,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmuon_jax import checks
+from dpmuon_jax.privacy.correlated import BLTStrategy, blt_sensitivity
 from dpmuon_jax.privacy.release import GaussianReleaseSpec, Neighbouring
 
 RDP = "rdp"
@@ -201,6 +208,17 @@ def _epsilon(
     return float(acc.get_epsilon(target_delta))
 
 
+@functools.lru_cache(maxsize=4096)
+def _gaussian_epsilon(noise_multiplier: float, target_delta: float, accountant: str) -> float:
+  """ε at δ of ONE Gaussian mechanism of noise multiplier σ (no sampling), add/remove-one."""
+  if noise_multiplier == 0.0:
+    return math.inf
+  with quiet_dp_accounting():
+    acc = make_accountant(accountant)
+    acc.compose(dp_accounting.GaussianDpEvent(noise_multiplier))
+    return float(acc.get_epsilon(target_delta))
+
+
 def compute_epsilon(
     noise_multiplier: float,
     sampling_rate: float,
@@ -310,7 +328,15 @@ def calibrate_noise_multiplier(
   _warn_large_delta(target_delta, dataset_size, stacklevel=2)
   _check_accountant(accountant)
   q, delta, steps = float(sampling_rate), float(target_delta), int(steps)
-  epsilon = lambda sigma: _epsilon(sigma, q, steps, delta, accountant)
+  return _calibrate(lambda sigma: _epsilon(sigma, q, steps, delta, accountant), target_epsilon)
+
+
+def _calibrate(epsilon: Callable[[float], float], target_epsilon: float) -> float:
+  """The σ with ε(σ) ≤ target and within :data:`CALIBRATION_RTOL` of it, ε decreasing in σ.
+
+  A geometric search brackets σ by factors of 2 from σ = 1, then :func:`refine_bracket`
+  shrinks the bracket; the end with ε ≤ target is returned.
+  """
   fails, fits = 0.5, 1.0
   while epsilon(fits) > target_epsilon:
     fails, fits = fits, 2.0 * fits
@@ -323,6 +349,35 @@ def calibrate_noise_multiplier(
       lambda sigma: log_gap(epsilon(sigma), target_epsilon),
       fits, fails, integer=False, close_enough=close_enough,
   )
+
+
+def calibrate_blt_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    strategy: BLTStrategy,
+    accountant: str = RDP,
+    *,
+    cycle_length: int | None = None,
+    dataset_size: int | None = None,
+) -> float:
+  """The σ of a BLT release whose T releases are (ε, δ)-DP, ε ≤ target and within 0.1%.
+
+  ε(σ) is that of ONE Gaussian mechanism of noise multiplier σ/Δ_T (module docstring), Δ_T
+  = :func:`~dpmuon_jax.privacy.correlated.blt_sensitivity` for releases ``cycle_length``
+  apart (default the strategy's ``min_sep``), searched as in
+  :func:`calibrate_noise_multiplier`. Add/remove-one adjacency; for replace-one adjacency,
+  double the result.
+  """
+  if not isinstance(strategy, BLTStrategy):
+    raise TypeError(f"strategy must be a BLTStrategy (blt_strategy), got {strategy!r}.")
+  _check_epsilon(target_epsilon)
+  _check_delta(target_delta)
+  _warn_large_delta(target_delta, dataset_size, stacklevel=2)
+  _check_accountant(accountant)
+  sensitivity = blt_sensitivity(strategy, separation=cycle_length)
+  delta = float(target_delta)
+  return _calibrate(
+      lambda sigma: _gaussian_epsilon(sigma / sensitivity, delta, accountant), target_epsilon)
 
 
 class LedgerConfig(NamedTuple):
@@ -343,6 +398,18 @@ class LedgerConfig(NamedTuple):
   # (1: independent noise); bands ≤ cycle_length, and T releases are ⌈T/b⌉ participations.
   cycle_length: int = 1
   bands: int = 1
+  # A BLT release's strategy (GaussianReleaseSpec's fields of the same names; 0 steps: none).
+  blt_steps: int = 0
+  blt_min_sep: int = 1
+  blt_buf_decay: tuple[float, ...] = ()
+  blt_output_scale: tuple[float, ...] = ()
+
+  def blt_strategy(self) -> BLTStrategy | None:
+    """The BLT strategy of the release (``None`` for any other release)."""
+    if not self.blt_steps:
+      return None
+    return BLTStrategy(self.blt_steps, self.blt_min_sep, np.asarray(self.blt_buf_decay),
+                       np.asarray(self.blt_output_scale))
 
 
 def participations(steps: int, cycle_length: int = 1) -> int:
@@ -369,6 +436,12 @@ def _config(sampler: Any, release: Any, target_delta, target_epsilon, accountant
         f"sampling with at least {spec.bands} groups (an example's releases {spec.bands} "
         f"apart); the sampler has cycle_length={cycle_length}. Build it with "
         f"PoissonSampler(..., cycle_length={spec.bands}).")
+  if spec.blt_steps and spec.blt_min_sep > cycle_length:
+    raise ValueError(
+        f"A BLT release optimised for releases {spec.blt_min_sep} apart is accounted under "
+        f"cyclic Poisson sampling with at least {spec.blt_min_sep} groups; the sampler has "
+        f"cycle_length={cycle_length}. Build it with "
+        f"PoissonSampler(..., cycle_length={spec.blt_min_sep}).")
   return LedgerConfig(
       sampling_rate=float(sampler.sampling_rate),
       noise_multiplier=spec.noise_multiplier,
@@ -382,6 +455,10 @@ def _config(sampler: Any, release: Any, target_delta, target_epsilon, accountant
       privacy_unit=spec.clipping.unit,
       cycle_length=cycle_length,
       bands=spec.bands,
+      blt_steps=spec.blt_steps,
+      blt_min_sep=spec.blt_min_sep,
+      blt_buf_decay=spec.blt_buf_decay,
+      blt_output_scale=spec.blt_output_scale,
   )
 
 
@@ -403,6 +480,10 @@ _RELEASE_FIELDS = (
     "privacy_unit",
     "cycle_length",
     "bands",
+    "blt_steps",
+    "blt_min_sep",
+    "blt_buf_decay",
+    "blt_output_scale",
 )
 
 
@@ -449,6 +530,7 @@ class PrivacyLedger:
     self.count = int(count)
     self.seeded = seeded
     self._max_steps: int | None = None
+    self._blt = config.blt_strategy()
 
   @property
   def accounting_noise_multiplier(self) -> float:
@@ -460,9 +542,20 @@ class PrivacyLedger:
     )
     return spec.accounting_noise_multiplier
 
+  def _blt_noise_multiplier(self, steps: int) -> float:
+    """σ/Δ_t of a BLT release's first t releases; t ≤ T (those past T are NaN: no data)."""
+    assert self._blt is not None
+    t = min(int(steps), self._blt.steps)
+    return self.accounting_noise_multiplier / blt_sensitivity(
+        self._blt, t, self.config.cycle_length)
+
   def event(self, steps: int | None = None) -> dp_accounting.DpEvent:
     """The dp-accounting event of ``steps`` releases (default: those recorded)."""
     steps = self.count if steps is None else steps
+    if self._blt is not None:
+      if steps == 0:
+        return dp_accounting.NoOpDpEvent()
+      return dp_accounting.GaussianDpEvent(self._blt_noise_multiplier(steps))
     return gaussian_release_event(
         self.accounting_noise_multiplier, self.config.sampling_rate,
         participations(steps, self.config.cycle_length),
@@ -508,10 +601,15 @@ class PrivacyLedger:
     """ε after the recorded releases plus ``extra_steps`` more."""
     _check_steps(extra_steps)
     c = self.config
+    steps = self.count + int(extra_steps)
+    if self._blt is not None:
+      if steps == 0:
+        return 0.0
+      return _gaussian_epsilon(self._blt_noise_multiplier(steps), c.target_delta, c.accountant)
     return _epsilon(
         self.accounting_noise_multiplier,
         c.sampling_rate,
-        participations(self.count + int(extra_steps), c.cycle_length),
+        participations(steps, c.cycle_length),
         c.target_delta,
         c.accountant,
     )
@@ -526,12 +624,21 @@ class PrivacyLedger:
     Brackets T from one epoch (1/q) upwards by extrapolation in (log T,
     log ε), then :func:`refine_bracket` on the integers. Cached: a ledger's
     configuration never changes. Under b-cyclic sampling the search runs over
-    participations P = ⌈T/b⌉, and T = b·P.
+    participations P = ⌈T/b⌉, and T = b·P. A BLT release makes at most its strategy's T
+    releases: the largest t ≤ T, by bisection (ε(t) grows with t).
     """
     c = self.config
     if c.target_epsilon is None:
       raise ValueError("max_steps needs a ledger built with target_epsilon.")
     target: float = c.target_epsilon
+    if self._max_steps is None and self._blt is not None:
+      epsilon = lambda t: _gaussian_epsilon(self._blt_noise_multiplier(t), c.target_delta,
+                                            c.accountant)
+      fits, fails = 0, self._blt.steps + 1  # ε(0) = 0 fits; past T nothing is released
+      while fails - fits > 1:
+        middle = (fits + fails) // 2
+        fits, fails = (middle, fails) if epsilon(middle) <= target else (fits, middle)
+      self._max_steps = fits
     if self._max_steps is None:
       sigma = self.accounting_noise_multiplier
       epsilon = lambda t: _epsilon(sigma, c.sampling_rate, t, c.target_delta, c.accountant)
@@ -581,6 +688,9 @@ class PrivacyLedger:
     d = json.loads(data) if isinstance(data, str) else dict(data)
     # A ledger saved before a field existed has that field's default.
     config = LedgerConfig(**{f: d[f] for f in LedgerConfig._fields if f in d})
+    config = config._replace(  # JSON has lists for tuples
+        blt_buf_decay=tuple(config.blt_buf_decay),
+        blt_output_scale=tuple(config.blt_output_scale))
     ledger = cls.__new__(cls)
     ledger._set(config, d["count"], bool(d["seeded"]))
     return ledger

@@ -31,7 +31,7 @@ Aggregation, Use BLTs" (2024), §3, whose Algorithm 3 applies C⁻¹ streaming w
 copies of the parameters, whatever T. C is not banded, so BandMF's amplification does not
 apply: the ledger accounts the whole run as ONE Gaussian mechanism on CX, of noise multiplier
 σ/Δ, Δ = :func:`blt_sensitivity` over the participations b-cyclic sampling allows (no
-amplification by sampling); the noise may depend on the past releases (Denisov, McMahan,
+amplification by sampling), which holds when each gradient depends on the past releases (Denisov, McMahan,
 Rush, Smith and Thakurta, "Improved Differential Privacy for SGD via Optimal Private Linear
 Operators on Adaptive Streams", NeurIPS 2022, §2).
 """
@@ -122,7 +122,7 @@ def strategy_matrix(strategy: BandMFStrategy | BLTStrategy) -> np.ndarray:
   """C as a dense T × T array (float64), lower-triangular: BandMF's has b bands and unit
   columns, BLT's is Toeplitz with the coefficients c_0 = 1, c_1, … of its buffers."""
   if isinstance(strategy, BLTStrategy):
-    coefficients = blt_coefficients(strategy)
+    coefficients = _blt_coefficients(strategy)
     rows, cols = np.indices((strategy.steps, strategy.steps))
     return np.where(rows >= cols, coefficients[np.maximum(rows - cols, 0)], 0.0)
   return np.asarray(_banded(strategy).materialize(), np.float64)
@@ -271,11 +271,10 @@ def _blt(strategy: BLTStrategy, dtype: Any):
       strategy.buf_decay, strategy.output_scale, dtype=dtype)
 
 
-def blt_coefficients(strategy: BLTStrategy, releases: int | None = None) -> np.ndarray:
-  """c_0, …, c_{t−1} of C (float64), t = ``releases`` (default T)."""
-  releases = strategy.steps if releases is None else releases
+def _blt_coefficients(strategy: BLTStrategy) -> np.ndarray:
+  """c_0, …, c_{T−1} of C (float64)."""
   with jax.enable_x64():
-    return np.asarray(_blt(strategy, jnp.float64).toeplitz_coefs(releases), np.float64)
+    return np.asarray(_blt(strategy, jnp.float64).toeplitz_coefs(strategy.steps), np.float64)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -285,8 +284,9 @@ def _blt_sensitivity(buf_decay: tuple[float, ...], output_scale: tuple[float, ..
     from jax_privacy.matrix_factorization import toeplitz
   strategy = BLTStrategy(releases, separation, np.asarray(buf_decay), np.asarray(output_scale))
   with jax.enable_x64():
+    coefficients = _blt(strategy, jnp.float64).toeplitz_coefs(releases)
     squared = toeplitz.minsep_sensitivity_squared(
-        blt_coefficients(strategy), min_sep=separation, max_participations=None)
+        coefficients, min_sep=separation, max_participations=None)
     return math.sqrt(float(squared))
 
 

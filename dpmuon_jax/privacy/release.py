@@ -63,6 +63,11 @@ class GaussianReleaseSpec:
     bands: b of a BandMF release (:mod:`~dpmuon_jax.privacy.correlated`): its noise is
       correlated over b releases, which needs cyclic Poisson sampling with at least b
       groups; 1 (default) is independent noise.
+    blt_steps, blt_min_sep, blt_buf_decay, blt_output_scale: the strategy C of a BLT
+      release (:func:`~dpmuon_jax.privacy.correlated.dp_blt_release`): its T releases, the
+      participation separation b it is optimised for (it needs cyclic Poisson sampling
+      with at least b groups) and its k buffers' parameters; 0, 1, () and () (default)
+      for any other release.
   """
 
   l2_clip_norm: float
@@ -73,6 +78,10 @@ class GaussianReleaseSpec:
   # None becomes as_clipping(l2_clip_norm) on init, so the field is always a Clipping.
   clipping: Clipping = None  # pyright: ignore[reportAssignmentType]
   bands: int = 1
+  blt_steps: int = 0
+  blt_min_sep: int = 1
+  blt_buf_decay: tuple[float, ...] = ()
+  blt_output_scale: tuple[float, ...] = ()
 
   def __post_init__(self):
     if self.clipping is None:
@@ -82,6 +91,11 @@ class GaussianReleaseSpec:
   def secure_noise(self) -> bool:
     """Whether the release adds exact discrete Gaussian noise on an integer grid."""
     return self.clipping.grid_bits is not None
+
+  @property
+  def buffers(self) -> int:
+    """k, the buffers of a BLT release (0 for any other release)."""
+    return len(self.blt_buf_decay)
 
   @property
   def noise_std(self) -> float:
@@ -134,11 +148,13 @@ class GaussianReleaseState(NamedTuple):
 
 
 class BandMFReleaseState(NamedTuple):
-  """State of :func:`~dpmuon_jax.privacy.correlated.dp_bandmf_release`. SECRET: it holds
-  the noise key and the past noise.
+  """State of :func:`~dpmuon_jax.privacy.correlated.dp_bandmf_release` and
+  :func:`~dpmuon_jax.privacy.correlated.dp_blt_release`. SECRET: it holds the noise key
+  and the past noise.
 
   ``count`` is the index of the next release (and of its noise key); ``buffers`` the
-  streaming state of C⁻¹ (jax_privacy's: its own row index and the last b solves).
+  streaming state of C⁻¹ (jax_privacy's: for BandMF its own row index and the last b
+  solves, for BLT its k buffers).
   """
 
   count: jax.Array
@@ -679,8 +695,9 @@ def with_noise_counter(opt_state: optax.OptState, counter: int) -> optax.OptStat
   if counter < current:
     raise ValueError(f"The noise counter only moves forward ({current} -> {counter} refused).")
   if counter != current and isinstance(_release_states(opt_state)[0], BandMFReleaseState):
-    raise ValueError(f"A BandMF release follows the rows of its strategy in order: its noise "
-                     f"counter cannot skip releases ({current} -> {counter} refused).")
+    raise ValueError(f"A correlated-noise release follows the rows of its strategy in order: "
+                     f"its noise counter cannot skip releases ({current} -> {counter} "
+                     "refused).")
   return jax.tree.map(  # placed like the old count: a restored (committed) state stays so
       lambda x: x._replace(count=jnp.full_like(x.count, counter)) if _is_release_state(x)
       else x,
