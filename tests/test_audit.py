@@ -10,6 +10,7 @@ from dpmuon_jax.audit.clopper_pearson import clopper_pearson_upper, epsilon_clop
 from dpmuon_jax.audit.one_run import epsilon_one_run, epsilon_one_run_counts, one_run_p_value
 from dpmuon_jax.audit.run_audit import AuditConfig, audit
 from dpmuon_jax.audit.thresholds import roc_thresholds
+from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier
 
 
 def _deterministic_normal(mu, n):
@@ -135,6 +136,38 @@ def test_halved_noise_raises_epsilon_hat(audited):
   assert audited[0.5]["epsilon_hat"] > audited[1.0]["epsilon_hat"]
   assert audited[0.5]["noise_multiplier_released"] == pytest.approx(
       audited[1.0]["noise_multiplier_released"] / 2)
+
+
+@pytest.fixture(scope="module")
+def audited_bandmf():
+  """DP-SGD with the BandMF release (b = 2, T = 4, each example in 2 of the 4 releases) at
+  ε = 2 with 10⁴ white-box canaries, honest and with its noise off."""
+  def run(noise_scale):
+    config = AuditConfig(num_canaries=10_000, epsilon=2.0, steps=4, seed=1, audit_seed=2,
+                         noise_scale=noise_scale, noise="bandmf", bands=2)
+    return audit(config)
+
+  return {scale: run(scale) for scale in (1.0, 0.0)}
+
+
+def test_an_honest_bandmf_run_passes_the_audit(audited_bandmf):
+  honest = audited_bandmf[1.0]
+  assert honest["epsilon_hat"] <= honest["epsilon_accountant"]
+  np.testing.assert_allclose(honest["epsilon_accountant"], 2.0, rtol=2e-3)
+  # σ is calibrated for ⌈4/2⌉ = 2 participations, not 4: less noise than iid would need.
+  iid = calibrate_noise_multiplier(2.0, 1e-5, 1.0, 4)
+  assert honest["noise_multiplier_accounted"] < iid
+
+
+def test_a_bandmf_run_without_noise_fails_the_audit(audited_bandmf):
+  broken = audited_bandmf[0.0]
+  assert broken["epsilon_hat"] > broken["epsilon_accountant"]
+
+
+@pytest.mark.parametrize("noise, bands", [("bandmf", None), ("iid", 2), ("tree", None)])
+def test_the_audit_refuses_a_noise_without_its_bands(noise, bands):
+  with pytest.raises(ValueError, match="--bands|--noise"):
+    audit(AuditConfig(noise=noise, bands=bands))
 
 
 def test_p_value_of_logistic_is_expit():

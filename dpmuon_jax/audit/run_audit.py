@@ -6,6 +6,7 @@
     python -m dpmuon_jax.audit.run_audit --scoring black --canaries 1000
     python -m dpmuon_jax.audit.run_audit --noise-scale 0       # a broken release: no noise
     python -m dpmuon_jax.audit.run_audit --privacy-unit user --records-per-canary 8
+    python -m dpmuon_jax.audit.run_audit --noise bandmf --bands 2 --steps 4
 
 Trains ONE small MLP with the library's private step (Poisson sampler, clipping,
 Gaussian release, SGD) on the training set plus the included canaries
@@ -26,6 +27,12 @@ canaries are users, and ε̂ must stay below the per-user ε. Under the default
 ``example`` unit the same R-record canaries are each clipped record by record,
 so a person moves the sum by up to R·C: ε̂ measured on them may exceed the
 per-example ε, which is what example-level DP does not promise.
+
+``--noise bandmf --bands b`` audits the BandMF release
+(:mod:`~dpmuon_jax.privacy.correlated`) under its b-cyclic Poisson sampler: the rate is
+the within-group rate (every example of the group at 1.0), σ is calibrated for ⌈T/b⌉
+participations, and the white-box adversary, who knows every group, removes at each
+release the clipped sum of the data in that release's group.
 """
 
 from __future__ import annotations
@@ -58,8 +65,13 @@ from dpmuon_jax.audit.one_run import epsilon_one_run
 from dpmuon_jax.data.users import group_by_user
 from dpmuon_jax.help_format import HelpFormatter
 from dpmuon_jax.optimizers import dp_sgd
-from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+from dpmuon_jax.privacy.accounting import (
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    participations,
+)
 from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, Clipping
+from dpmuon_jax.privacy.correlated import BANDMF, IID
 from dpmuon_jax.privacy.keys import root_key
 from dpmuon_jax.privacy.sampling import PADDING_INDEX, PaddedBatch, PoissonSampler, gather
 from dpmuon_jax.training.loop import LoopState, release
@@ -94,6 +106,13 @@ class AuditConfig:
   model_seed: int = 0
   privacy_unit: str = EXAMPLE  # "user": every canary and data record a user
   records_per_canary: int = 1  # R: each canary a person with R copies of its record
+  noise: str = IID  # or "bandmf": the BandMF release over b-cyclic Poisson sampling
+  bands: int | None = None  # b, with noise="bandmf" only
+
+  @property
+  def cycle_length(self) -> int:
+    """b, the sampler's groups (1 for independent noise)."""
+    return self.bands if self.noise == BANDMF and self.bands is not None else 1
 
 
 def _load(path: str | None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -175,12 +194,13 @@ def _as_people(train: dict, num_data: int, config: AuditConfig) -> dict:
   return group_by_user(records, users, r).arrays
 
 
-def _data_rows(train: dict, num_data: int, multiple: int):
-  """The (non-canary) data rows of ``train`` as one padded batch and its mask."""
+def _data_rows(train: dict, num_data: int, multiple: int, groups: np.ndarray):
+  """The (non-canary) data rows of ``train`` as one padded batch, and the groups of its
+  rows (-1: padding)."""
   rows = -(-num_data // multiple) * multiple
   padded = PaddedBatch(np.where(np.arange(rows) < num_data, np.arange(rows), PADDING_INDEX),
                        np.arange(rows) < num_data)
-  return gather(train, padded), jnp.asarray(padded.mask)
+  return gather(train, padded), np.where(padded.mask, np.resize(groups, rows), -1)
 
 
 def check_config(config: AuditConfig) -> None:
@@ -204,6 +224,11 @@ def check_config(config: AuditConfig) -> None:
   checks.check_nonnegative_int("--model-seed", config.model_seed)
   one_of(PRIVACY_UNITS)("--privacy-unit", config.privacy_unit)
   checks.check_positive_int("--records-per-canary", config.records_per_canary)
+  one_of((IID, BANDMF))("--noise", config.noise)
+  if (config.noise == BANDMF) != (config.bands is not None):
+    raise ValueError("--bands is the setting of --noise bandmf (it needs one; iid takes none).")
+  if config.bands is not None:
+    checks.check_positive_int("--bands", config.bands)
 
 
 def audit(config: AuditConfig) -> dict:
@@ -219,24 +244,29 @@ def audit(config: AuditConfig) -> dict:
   train = _as_people(_with_canaries(x, y, rows, included), len(x), config)
   n = len(train["label"])  # records, or users at user level
   root = root_key(config.seed)
+  compositions = participations(config.steps, config.cycle_length)
   sigma = calibrate_noise_multiplier(
-      config.epsilon, config.delta, config.sampling_rate, config.steps
+      config.epsilon, config.delta, config.sampling_rate, compositions
   )
   multiple = config.microbatch_size or 8
   capacity = -(-n // multiple) * multiple if config.sampling_rate == 1.0 else None
-  sampler = PoissonSampler(n, config.sampling_rate, capacity, key=root, multiple_of=multiple)
+  sampler = PoissonSampler(n, config.sampling_rate, capacity, key=root, multiple_of=multiple,
+                           cycle_length=config.cycle_length)
+  bandmf = {"noise": BANDMF, "bands": config.bands, "steps": config.steps} if (
+      config.noise == BANDMF) else {}
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # σ = 0 warns: the broken run is meant to be broken
     optimizer = dp_sgd(config.learning_rate, config.clip, config.noise_scale * sigma,
                        sampler.expected_batch_size, key=root,
-                       clipping=Clipping(config.clip, unit=config.privacy_unit))
+                       clipping=Clipping(config.clip, unit=config.privacy_unit), **bandmf)
   step = make_private_step(optimizer, query=canary_query(_loss, config.clip),
                            microbatch_size=config.microbatch_size)
   # With q = 1 the batch is public, so a white-box adversary who sees every
-  # iterate and knows the data removes the data's clipped sum from each release:
-  # what is left is Σ_t (canary queries + noise), scored at the canaries.
+  # iterate and knows the data (and, under cyclic sampling, every group) removes the
+  # clipped sum of the data in each release: what is left is Σ_t (canary queries + noise),
+  # scored at the canaries.
   remove_data = config.scoring == WHITE_BOX and config.sampling_rate == 1.0
-  data, data_mask = _data_rows(train, len(x), multiple)
+  data, data_groups = _data_rows(train, len(x), multiple, sampler.groups()[:len(x)])
   undo_step = sampler.expected_batch_size / config.learning_rate  # θ_{t+1} − θ_t = −(lr/D)·G̃
   to_chunks = lambda padded, _: [(gather(train, c), jnp.asarray(c.mask)) for c in padded]
   # The audit accounts itself (no ledger): a broken run is meant to overspend.
@@ -244,6 +274,7 @@ def audit(config: AuditConfig) -> dict:
   while state.step < config.steps:
     released = release(step, state, sampler=sampler, to_chunks=to_chunks)
     if remove_data:
+      data_mask = jnp.asarray(data_groups == state.step % config.cycle_length)
       data_sum = step.clipped_sum(state.params, state.opt_state, data, data_mask).total
       residual = jax.tree.map(lambda r, a, b, s: r + (b - a) * undo_step + s,
                               residual, state.params, released.state.params, data_sum)
@@ -254,7 +285,7 @@ def audit(config: AuditConfig) -> dict:
   fields = dataclasses.asdict(config)
   return {
       "epsilon_hat": epsilon_hat,
-      "epsilon_accountant": compute_epsilon(sigma, config.sampling_rate, config.steps,
+      "epsilon_accountant": compute_epsilon(sigma, config.sampling_rate, compositions,
                                             config.delta),
       "confidence": 1 - config.significance,
       "noise_multiplier_accounted": sigma,
@@ -320,6 +351,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                  "canary a user of --records-per-canary records, one clipped mean per user")
   p.add_argument("--records-per-canary", type=int, default=d.records_per_canary,
                  help="R: each canary a person with R copies of its record")
+  p.add_argument("--noise", choices=(IID, BANDMF), default=d.noise,
+                 help="iid: independent noise; bandmf: the BandMF release (needs --bands) "
+                 "over b-cyclic Poisson sampling, --sampling-rate the within-group rate")
+  p.add_argument("--bands", type=int, default=d.bands,
+                 help="b, BandMF's bands and the sampler's groups (--noise bandmf only)")
   return p
 
 

@@ -31,9 +31,9 @@ Aggregation, Use BLTs" (2024), §3, whose Algorithm 3 applies C⁻¹ streaming w
 copies of the parameters, whatever T. C is not banded, so BandMF's amplification does not
 apply: the ledger accounts the whole run as ONE Gaussian mechanism on CX, of noise multiplier
 σ/Δ, Δ = :func:`blt_sensitivity` over the participations b-cyclic sampling allows (no
-amplification by sampling), which holds when each gradient depends on the past releases (Denisov, McMahan,
-Rush, Smith and Thakurta, "Improved Differential Privacy for SGD via Optimal Private Linear
-Operators on Adaptive Streams", NeurIPS 2022, §2).
+amplification by sampling), which holds when each gradient depends on the past releases
+(Denisov, McMahan, Rush, Smith and Thakurta, "Improved Differential Privacy for SGD via
+Optimal Private Linear Operators on Adaptive Streams", NeurIPS 2022, §2).
 """
 
 from __future__ import annotations
