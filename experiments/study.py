@@ -71,7 +71,8 @@ class Arm:
   (filled into ``fallback_learning_rate`` when known); arms of lower
   ``priority`` train first. ``learning_rate``: a rate fixed in advance, so no
   grid is trained (``lr_center`` is then unused); ``seeds``: this arm's
-  reported seeds (``None``: the study's).
+  reported seeds (``None``: the study's). ``noise`` and ``bands``: the release's noise
+  (``"iid"``, or ``"bandmf"`` with b bands, under b-cyclic Poisson sampling).
   """
 
   optimizer: str
@@ -88,6 +89,8 @@ class Arm:
   priority: int = 0
   learning_rate: float | None = None
   seeds: tuple[int, ...] | None = None
+  noise: str = "iid"
+  bands: int | None = None
 
   @property
   def name(self) -> str:
@@ -319,6 +322,7 @@ def _config(study: Study, arm: Arm, lr: float | None, seed: int, directory: str,
       learning_rate=lr, fallback_learning_rate=arm.fallback_learning_rate,
       warmup_fraction=study.warmup_fraction, clip=study.clip,
       clipping=arm.clipping, seed=seed, output_dir=directory, resume=resume,
+      noise=arm.noise, bands=arm.bands,
       microbatch_size=study.microbatch_size, progress=False, plot=False, max_steps=max_steps,
       model_overrides=dict(study.model_overrides),
   )

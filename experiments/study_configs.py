@@ -132,6 +132,34 @@ def _dip_arms() -> tuple[Arm, ...]:
   return tuple(fixed + middle)
 
 
+# ---------------------------------------------------------------------------
+# correlated_noise: does BandMF noise close DP-Muon's small-batch gap, and does it help
+# DP-Muon as much as DP-SGD? (rule in experiments/results/README.md)
+
+CORRELATED_BATCH_SIZES = (256, 1024)
+CORRELATED_BANDS = (4, 16)  # the variants selected on seed 41, with the learning rate
+
+
+def _correlated_arms() -> tuple[Arm, ...]:
+  """(a) DP-SGD and DP-Muon with iid noise at paper1_ablation's chosen rates (no selection;
+  seeds 42-44), then (b) both with BandMF noise, b in CORRELATED_BANDS as variants, each on
+  the x3 grid around the iid arm's chosen rate, selected on seed 41. A DP-Muon arm's 1-D
+  group runs DP-SGD's rate from the same noise and B."""
+  iid, bandmf = [], []
+  for optimizer in ("dp_sgd", "dp_muon"):
+    for b in CORRELATED_BATCH_SIZES:
+      rate = PAPER1_ABLATION_RATES[(optimizer, b)]
+      arm = _ablation_arm(optimizer, b, 0, epochs=EPOCHS, label="iid")
+      iid.append(dataclasses.replace(arm, lr_center=rate, learning_rate=rate))
+      for bands in CORRELATED_BANDS:
+        arm = _ablation_arm(optimizer, b, 1, epochs=EPOCHS, label="bandmf",
+                            variant=f"b{bands}", noise="bandmf", bands=bands)
+        source = (Arm("dp_sgd", b, 0.0, label="bandmf", variant=f"b{bands}").name
+                  if optimizer == "dp_muon" else None)
+        bandmf.append(dataclasses.replace(arm, lr_center=rate, fallback_lr_from=source))
+  return tuple(iid + bandmf)
+
+
 STUDIES: dict[str, Study] = {
     "batch_size_study": Study(
         "batch_size_study",
@@ -163,6 +191,16 @@ STUDIES: dict[str, Study] = {
         seeds=REPORTED_SEEDS,
         selection_seed=SELECTION_SEED,
         gap_change_rule=(DIP_LABEL, *DIP_BATCH_SIZES),
+        reference="paper1_ablation",
+    ),
+    "correlated_noise": Study(
+        "correlated_noise",
+        "BandMF noise (b = 4 or 16, chosen on seed 41 with the rate) for DP-SGD and DP-Muon "
+        "at B = 256 and 1024, against iid noise at paper1_ablation's rates (seeds 42-44)",
+        arms=_correlated_arms(),
+        model_overrides=(("groups", 8), ("conv_impl", "patches")),
+        seeds=REPORTED_SEEDS,
+        selection_seed=SELECTION_SEED,
         reference="paper1_ablation",
     ),
 }

@@ -44,6 +44,46 @@ def test_every_registered_optimizer_takes_bandmf_noise(name):
   assert iid.release.bands == 1 and not _release_states(iid.init(params))
 
 
+@pytest.fixture(scope="module")
+def blt():
+  from dpmuon_jax.privacy.correlated import blt_strategy
+
+  return blt_strategy(5, 2, 2)  # T = 5 releases, k = 2 buffers, participations 2 apart
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_registered_optimizer_takes_a_built_blt_strategy(name, blt):
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+  release = {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "denominator": 8.0, "key": 0}
+  optimizer = registry.build(name, None, {**release, "noise": blt})
+  assert optimizer.release.buffers == 2 and optimizer.release.blt_steps == 5
+  states = _release_states(optimizer.init(params))
+  assert len(states) == 1  # ONE release, its k buffers of the parameters' shapes
+  assert jax.tree.leaves(states[0].buffers)[0].shape[0] == 2
+
+
+def test_a_blt_dp_muon_is_accounted_as_one_gaussian_mechanism_without_amplification(blt):
+  """dp_muon(noise=BLTStrategy) under 2-cyclic sampling: after T releases ε is that of ONE
+  Gaussian mechanism of σ/Δ_T (dp_accounting directly), for the σ calibrated to ε = 3;
+  plain Poisson sampling (1 group) is refused."""
+  import dpmuon_jax as dm
+  from dpmuon_jax.privacy.accounting import PrivacyLedger, calibrate_blt_noise_multiplier
+  from dpmuon_jax.privacy.correlated import blt_sensitivity
+  from dpmuon_jax.privacy.sampling import PoissonSampler
+
+  sigma = calibrate_blt_noise_multiplier(3.0, 1e-5, blt)
+  optimizer = dm.dp_muon(0.02, 1.0, sigma, 8.0, key=0, noise=blt)
+  sampler = PoissonSampler(100, 0.16, key=0, cycle_length=2)
+  ledger = PrivacyLedger(sampler, optimizer, 1e-5, 3.0)
+  ledger.record(sampler, optimizer, 5)
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(dp_accounting.GaussianDpEvent(sigma / blt_sensitivity(blt)))
+  assert ledger.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+  assert 3.0 * (1 - 1e-3) <= ledger.epsilon() <= 3.0
+  with pytest.raises(ValueError, match="at least 2 groups"):
+    PrivacyLedger(PoissonSampler(100, 0.08, key=0), optimizer, 1e-5)
+
+
 def test_noise_settings_are_refused_where_they_do_not_fit():
   import dpmuon_jax as dm
 

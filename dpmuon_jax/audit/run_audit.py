@@ -231,6 +231,23 @@ def check_config(config: AuditConfig) -> None:
     checks.check_positive_int("--bands", config.bands)
 
 
+def _sampler_and_optimizer(config: AuditConfig, n: int, sigma: float, multiple: int):
+  """The run's sampler and DP-SGD, both from ONE root key; the release's σ is
+  ``noise_scale``·σ."""
+  root = root_key(config.seed)
+  capacity = -(-n // multiple) * multiple if config.sampling_rate == 1.0 else None
+  sampler = PoissonSampler(n, config.sampling_rate, capacity, key=root, multiple_of=multiple,
+                           cycle_length=config.cycle_length)
+  bandmf = {"noise": BANDMF, "bands": config.bands, "steps": config.steps} if (
+      config.noise == BANDMF) else {}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # σ = 0 warns: the broken run is meant to be broken
+    optimizer = dp_sgd(config.learning_rate, config.clip, config.noise_scale * sigma,
+                       sampler.expected_batch_size, key=root,
+                       clipping=Clipping(config.clip, unit=config.privacy_unit), **bandmf)
+  return sampler, optimizer
+
+
 def audit(config: AuditConfig) -> dict:
   """Runs one audited training run; returns ε̂, the accountant's ε and the settings."""
   check_config(config)
@@ -243,22 +260,12 @@ def audit(config: AuditConfig) -> dict:
   included = canary_membership(audit_key, config.num_canaries)
   train = _as_people(_with_canaries(x, y, rows, included), len(x), config)
   n = len(train["label"])  # records, or users at user level
-  root = root_key(config.seed)
   compositions = participations(config.steps, config.cycle_length)
   sigma = calibrate_noise_multiplier(
       config.epsilon, config.delta, config.sampling_rate, compositions
   )
   multiple = config.microbatch_size or 8
-  capacity = -(-n // multiple) * multiple if config.sampling_rate == 1.0 else None
-  sampler = PoissonSampler(n, config.sampling_rate, capacity, key=root, multiple_of=multiple,
-                           cycle_length=config.cycle_length)
-  bandmf = {"noise": BANDMF, "bands": config.bands, "steps": config.steps} if (
-      config.noise == BANDMF) else {}
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # σ = 0 warns: the broken run is meant to be broken
-    optimizer = dp_sgd(config.learning_rate, config.clip, config.noise_scale * sigma,
-                       sampler.expected_batch_size, key=root,
-                       clipping=Clipping(config.clip, unit=config.privacy_unit), **bandmf)
+  sampler, optimizer = _sampler_and_optimizer(config, n, sigma, multiple)
   step = make_private_step(optimizer, query=canary_query(_loss, config.clip),
                            microbatch_size=config.microbatch_size)
   # With q = 1 the batch is public, so a white-box adversary who sees every

@@ -62,7 +62,9 @@ class ReleaseSettings:
     noise: ``"iid"`` (default: fresh Gaussian noise per release, :func:`~dpmuon_jax.dp_release`)
       or ``"bandmf"`` (banded matrix-factorization noise correlated over ``bands``
       releases, :func:`~dpmuon_jax.privacy.correlated.dp_bandmf_release`), or a
-      :class:`~dpmuon_jax.privacy.correlated.BandMFStrategy` already built.
+      strategy already built: a :class:`~dpmuon_jax.privacy.correlated.BandMFStrategy`,
+      or a :class:`~dpmuon_jax.privacy.correlated.BLTStrategy` (buffered-linear-Toeplitz
+      noise, accounted as one Gaussian mechanism without amplification).
     bands: b of ``"bandmf"``; private only under cyclic Poisson sampling with b groups
       (``PoissonSampler(..., cycle_length=b)``, which ``make_private(noise="bandmf")`` builds).
     steps: T, the releases the ``"bandmf"`` strategy is optimised for (it releases no more).

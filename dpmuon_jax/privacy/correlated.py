@@ -353,25 +353,26 @@ def dp_blt_release(
   return _correlated_release(spec, noise_key, inverse, strategy.steps)
 
 
-Noise = str | BandMFStrategy
-"""The ``noise`` of a release: ``"iid"``, ``"bandmf"`` or a built :class:`BandMFStrategy`."""
+Noise = str | BandMFStrategy | BLTStrategy
+"""The ``noise`` of a release: ``"iid"``, ``"bandmf"``, or a built :class:`BandMFStrategy`
+or :class:`BLTStrategy`."""
 
 
 def noise_strategy(noise: Noise, bands: int | None = None,
-                   steps: int | None = None) -> BandMFStrategy | None:
+                   steps: int | None = None) -> BandMFStrategy | BLTStrategy | None:
   """The strategy ``noise`` names (``None``: independent noise), checked.
 
   ``"bandmf"`` needs ``bands`` b and ``steps`` T (:func:`bandmf_strategy`); a built
-  :class:`BandMFStrategy` and ``"iid"`` take neither.
+  strategy (:func:`bandmf_strategy`, :func:`blt_strategy`) and ``"iid"`` take neither.
   """
-  if isinstance(noise, BandMFStrategy):
+  if isinstance(noise, (BandMFStrategy, BLTStrategy)):
     if bands is not None or steps is not None:
-      raise ValueError("noise is a BandMFStrategy already: it fixes bands and steps, "
-                       "pass neither.")
+      raise ValueError(f"noise is a {type(noise).__name__} already: it fixes its "
+                       "strategy and steps, pass neither bands nor steps.")
     return noise
   if noise not in NOISES:
-    raise ValueError(f"noise must be one of {', '.join(NOISES)} or a BandMFStrategy, "
-                     f"got {noise!r}.")
+    raise ValueError(f"noise must be one of {', '.join(NOISES)}, a BandMFStrategy or a "
+                     f"BLTStrategy, got {noise!r}.")
   if noise == IID:
     if bands is not None or steps is not None:
       raise ValueError("bands and steps are settings of noise='bandmf'; independent "
@@ -394,9 +395,13 @@ def gaussian_release(
     bands: int | None = None,
     steps: int | None = None,
 ) -> PrivateTransformation:
-  """:func:`~dpmuon_jax.privacy.release.dp_release`, or the BandMF release ``noise`` names."""
+  """:func:`~dpmuon_jax.privacy.release.dp_release`, or the correlated release ``noise``
+  names (:func:`dp_bandmf_release`, :func:`dp_blt_release`)."""
   strategy = noise_strategy(noise, bands, steps)
   if strategy is None:
     return dp_release(l2_clip_norm, noise_multiplier, denominator, key, clipping, neighbouring)
+  if isinstance(strategy, BLTStrategy):
+    return dp_blt_release(l2_clip_norm, noise_multiplier, denominator, strategy, key,
+                          clipping, neighbouring)
   return dp_bandmf_release(l2_clip_norm, noise_multiplier, denominator, strategy, key,
                            clipping, neighbouring)

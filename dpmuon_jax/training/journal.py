@@ -189,6 +189,11 @@ def any_seeded(entries: list[JournalEntry]) -> bool:
   return any(e.seeded is not False for e in entries)
 
 
+def _as_json(value: Any) -> Any:
+  """``value`` as the journal reads it back (a tuple is a JSON list)."""
+  return json.loads(json.dumps(value))
+
+
 def check_settings(entries: list[JournalEntry], privacy: dict[str, Any]) -> None:
   """Raises ValueError unless every recorded release was made under ``privacy``.
 
@@ -203,7 +208,8 @@ def check_settings(entries: list[JournalEntry], privacy: dict[str, Any]) -> None
       )
     # A setting journaled before it existed had its default (LedgerConfig's).
     recorded = {**LedgerConfig._field_defaults, **entry.privacy}
-    changed = {k: (recorded.get(k), v) for k, v in privacy.items() if recorded.get(k) != v}
+    changed = {k: (recorded.get(k), v) for k, v in privacy.items()
+               if _as_json(recorded.get(k)) != _as_json(v)}
     if changed:
       raise ValueError(
           f"the release at key index {entry.key_index} was made under other privacy settings "
