@@ -182,3 +182,14 @@ def test_invalid_settings_raise(kwargs):
 def test_invalid_step_raises():
   with pytest.raises(ValueError, match="step"):
     PoissonSampler(10, 0.1, key=0).sample(-1)
+
+
+def test_an_epoch_is_n_over_b_steps_under_cyclic_sampling_too():
+  """b groups at the within-group rate bB/N: an epoch (each example once in expectation) is
+  round(N/B) steps, not round(1/(bB/N)) = 1/b of it."""
+  n, batch = 45_000, 256
+  plain = PoissonSampler(n, batch / n, key=0)
+  cyclic = PoissonSampler(n, 4 * batch / n, key=0, cycle_length=4)
+  assert plain.steps_per_epoch == cyclic.steps_per_epoch == round(n / batch) == 176
+  sizes = [len(cyclic.sample_indices(t)) for t in range(cyclic.steps_per_epoch)]
+  assert abs(sum(sizes) - n) < 5 * math.sqrt(n)  # every example about once per epoch

@@ -152,6 +152,12 @@ class PoissonSampler:
     """qN/b, the expected number of sampled examples per step."""
     return self.sampling_rate * self.dataset_size / self.cycle_length
 
+  @property
+  def steps_per_epoch(self) -> int:
+    """round(b/q) = round(N/B) (at least 1): the steps in which each example is sampled once
+    in expectation (b steps per cycle: under cyclic sampling not round(1/q))."""
+    return max(1, round(self.cycle_length / self.sampling_rate))
+
   def groups(self) -> np.ndarray:
     """Each example's group in {0, …, b−1} (SECRET), drawn once from the sampling stream."""
     if self._groups is None:

@@ -601,7 +601,7 @@ class LMTask:
 
     return Run(
         setup, optimizer, step_fn, _chunks_of(lm_data.train_arrays, mesh), params,
-        max(1, round(1 / setup.sampler.sampling_rate)),
+        setup.sampler.steps_per_epoch,
         evaluate=lambda p: {"valid_nll": validation_nll(p)}, results=results,
         rates={"learning_rate": optax.constant_schedule(config.learning_rate),
                "fallback_learning_rate": optax.constant_schedule(config.fallback_learning_rate)},

@@ -138,7 +138,8 @@ class Run(NamedTuple):
     step_fn: the jitted private step.
     to_chunks: ``(padded_batches, key_index) -> [(batch, mask), …]``, placed on the mesh.
     initial_params: the public starting point (placed on the mesh by the trainer).
-    steps_per_epoch: round(1/q) releases; the default checkpoint interval.
+    steps_per_epoch: round(N/B) releases (the sampler's ``steps_per_epoch``); the default
+      checkpoint interval.
     evaluate: ``params -> {metric: value}`` on held-out data, a history row's metrics.
     results: ``(params, history) -> {key: value}``, the task's part of ``results.json``
       (e.g. final accuracy, decoded-text scores).

@@ -393,7 +393,7 @@ class ImageTask:
       test_loss, test_accuracy = test_metrics(params)
       return {"test_loss": test_loss, "test_accuracy": test_accuracy}
 
-    steps_per_epoch = max(1, round(1 / setup.sampler.sampling_rate))
+    steps_per_epoch = setup.sampler.steps_per_epoch
     return Run(setup, optimizer, step_fn, to_chunks,
                _initial_params(model.params, config.init_weights), steps_per_epoch,
                evaluate, self._results, {"learning_rate": schedule}, steps_per_epoch,
