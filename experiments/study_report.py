@@ -21,6 +21,9 @@ Writes into the study's folder:
 * ``gap_change.csv`` (a study with a ``gap_change_rule``): how that gap moves
   between two batch sizes, seed by seed, and where the B's between them sit
   against a reference study (:func:`gap_change_rows`);
+* ``correlated_gaps.csv`` and ``correlated_decision.csv`` (a study with correlated-noise
+  arms): the correlated-noise rule's paired quantities h, e, i per B and its two verdicts
+  (:func:`correlated_noise_rows`);
 * ``predictor.csv``: per B and training length, the recovery-threshold
   prediction next to the observed paired gap (:func:`predictor_rows`), and
   ``predictor_count.csv``, its hits and misses once every point has every
@@ -339,6 +342,89 @@ def gap_change_rows(study: Study, rows: list[dict], reference: Study | None = No
   return out
 
 
+def _sign_class(values: list[float]) -> str:
+  """"positive" if every value > 0 and the mean > +2 paired SE, "negative" if every value < 0
+  and the mean < −2 paired SE, else "undecided" (the correlated-noise rule's classes)."""
+  mean, sd = mean_std(values)
+  se = sd / math.sqrt(len(values))
+  if all(v > 0 for v in values) and mean > 2 * se:
+    return "positive"
+  if all(v < 0 for v in values) and mean < -2 * se:
+    return "negative"
+  return "undecided"
+
+
+def _noise_arm(study: Study, optimizer: str, batch_size: int, label: str,
+               rows: list[dict]) -> Arm | None:
+  """The arm of (optimizer, B, label) that reports: its selected variant, if it has some."""
+  for arm in study.arms:
+    if (arm.optimizer, arm.batch_size, arm.label) == (optimizer, batch_size, label):
+      return selected_variant(study, arm, rows)
+  return None
+
+
+def _accuracies(study: Study, arm: Arm | None, rows: list[dict]) -> dict[int, float]:
+  if arm is None:
+    return {}
+  return {int(r["seed"]): float(r["test_accuracy"]) for r in reported_rows(study, arm, rows)}
+
+
+def correlated_noise_rows(study: Study, rows: list[dict], noise_label: str = "bandmf",
+                          iid_label: str = "iid") -> tuple[list[dict], list[dict]]:
+  """The correlated-noise rule applied (experiments/results/README.md): (quantities, verdicts).
+
+  Per B, on the reported seeds s (test accuracy, paired by seed):
+  h_s(o) = acc(o + noise) − acc(o, iid) for o ∈ {DP-SGD, DP-Muon};
+  e_s = acc(DP-Muon + noise) − acc(DP-SGD, iid); i_s = h_s(DP-Muon) − h_s(DP-SGD); each
+  classed by :func:`_sign_class`. Verdicts, once every quantity has every reported seed:
+  Q1 "closes the gap" if e is positive, "narrows it" if h(DP-Muon) is positive and e is
+  not, "does not help DP-Muon" if h(DP-Muon) is negative, else "undecided"; Q2 "more" if i
+  is positive, "less" if negative, else "no detectable difference".
+  """
+  quantities, verdicts = [], []
+  sizes = sorted({a.batch_size for a in study.arms if a.label == noise_label})
+  for b in sizes:
+    acc = {(o, label): _accuracies(study, _noise_arm(study, o, b, label, rows), rows)
+           for o in ("dp_sgd", "dp_muon") for label in (iid_label, noise_label)}
+    seeds = sorted(set.intersection(*(set(v) for v in acc.values())))
+    if not seeds:
+      continue
+    per_seed = {
+        "h_dp_sgd": [acc["dp_sgd", noise_label][s] - acc["dp_sgd", iid_label][s] for s in seeds],
+        "h_dp_muon": [acc["dp_muon", noise_label][s] - acc["dp_muon", iid_label][s]
+                      for s in seeds],
+        "e": [acc["dp_muon", noise_label][s] - acc["dp_sgd", iid_label][s] for s in seeds],
+    }
+    per_seed["i"] = [m - g for m, g in zip(per_seed["h_dp_muon"], per_seed["h_dp_sgd"])]
+    complete = len(seeds) == len(reported_seeds(study))
+    classes = {}
+    for name, values in per_seed.items():
+      mean, sd = mean_std(values)
+      classes[name] = _sign_class(values) if complete else ""
+      quantities.append({
+          "batch_size": b, "quantity": name, "seeds": " ".join(map(str, seeds)),
+          "per_seed": " ".join(f"{s}:{v:+.4f}" for s, v in zip(seeds, values)),
+          "mean": mean, "paired_standard_error": sd / math.sqrt(len(values)),
+          "class": classes[name]})
+    if not complete:
+      continue
+    if classes["e"] == "positive":
+      q1 = "closes DP-Muon's gap"
+    elif classes["h_dp_muon"] == "positive":
+      q1 = "narrows DP-Muon's gap"
+    elif classes["h_dp_muon"] == "negative":
+      q1 = "does not help DP-Muon"
+    else:
+      q1 = "undecided"
+    q2 = {"positive": "helps DP-Muon more", "negative": "helps DP-Muon less"}.get(
+        classes["i"], "no detectable difference")
+    chosen = {o: _noise_arm(study, o, b, noise_label, rows) for o in ("dp_sgd", "dp_muon")}
+    verdicts.append({"batch_size": b, "q1_gap": q1, "q2_as_much_as_dp_sgd": q2,
+                     "dp_sgd_variant": chosen["dp_sgd"].variant if chosen["dp_sgd"] else "",
+                     "dp_muon_variant": chosen["dp_muon"].variant if chosen["dp_muon"] else ""})
+  return quantities, verdicts
+
+
 def predictor_rows(study: Study, rows: list[dict], report: list[dict]) -> list[dict]:
   """Per B and length: the recovery-threshold prediction beside the observed paired gap.
 
@@ -533,6 +619,10 @@ def write_report(study: Study, rows: list[dict], out: str, data_dir: str | None)
       reference_rows = read_rows(os.path.join(os.path.dirname(os.path.abspath(out)),
                                               reference.name, "runs.csv"))
     _write(out, "gap_change.csv", gap_change_rows(study, rows, reference, reference_rows))
+  if any(arm.noise != "iid" for arm in study.arms):
+    quantities, verdicts = correlated_noise_rows(study, rows)
+    _write(out, "correlated_gaps.csv", quantities)
+    _write(out, "correlated_decision.csv", verdicts)
   complete = complete_arms(study, summary)
   ablation = ablation_rows(complete)
   _write(out, "ablation.csv", ablation)

@@ -138,9 +138,119 @@ def test_dpmuon_account_gives_make_privates_sigma():
   assert printed["participations"] == 264 and printed["noise"] == "bandmf"
 
 
+def test_make_private_builds_blt_for_one_participation_per_epoch_and_no_amplification():
+  """noise="blt": ⌊N/B⌋ groups (each sampled at rate ≤ 1, expected batch still B), the
+  k-buffer BLT for T releases that far apart, and σ for ONE Gaussian mechanism of σ/Δ_T
+  (dp_accounting directly). Accounted with Poisson amplification at the within-group rate,
+  this σ would claim a far smaller ε: the test fails if amplification were applied."""
+  from dpmuon_jax.privacy.accounting import compute_epsilon
+  from dpmuon_jax.privacy.correlated import BLTStrategy, blt_sensitivity, blt_strategy
+
+  n, batch, delta = 4_500, 64, 1e-5
+  setup = make_private(target_epsilon=4.0, target_delta=delta, dataset_size=n,
+                       expected_batch_size=batch, l2_clip_norm=1.0, steps=300, key=0,
+                       noise="blt", buffers=3)
+  groups = n // batch  # 70
+  assert setup.sampler.cycle_length == groups
+  assert setup.sampler.expected_batch_size == pytest.approx(batch)
+  strategy = setup.release_kwargs["noise"]
+  assert isinstance(strategy, BLTStrategy)
+  assert (strategy.steps, strategy.buffers, strategy.min_sep) == (300, 3, groups)
+  chex.assert_trees_all_equal(tuple(strategy), tuple(blt_strategy(300, 3, groups)))
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(dp_accounting.GaussianDpEvent(
+      setup.noise_multiplier / blt_sensitivity(strategy, 300, groups)))
+  epsilon = accountant.get_epsilon(delta)
+  assert 3.99 <= epsilon <= 4.0
+  assert setup.ledger.epsilon_after(300) == pytest.approx(epsilon, rel=1e-9)
+  amplified = compute_epsilon(setup.noise_multiplier, groups * batch / n,
+                              participations(300, groups), delta)
+  assert amplified < 0.5 * epsilon
+  optimizer = registry.build("dp_muon", None, setup.release_kwargs)
+  assert optimizer.release.buffers == 3 and optimizer.release.blt_min_sep == groups
+  setup.ledger.check(setup.sampler, optimizer)
+
+
+def test_named_blt_noise_is_refused_where_it_does_not_fit():
+  import dpmuon_jax as dm
+
+  common = dict(target_epsilon=4, target_delta=1e-5, dataset_size=1000,
+                expected_batch_size=100, l2_clip_norm=1.0, steps=10)
+  with pytest.raises(ValueError, match="noise='blt' needs buffers"):
+    make_private(**common, noise="blt")
+  with pytest.raises(ValueError, match="buffers goes with noise='blt'"):
+    make_private(**common, buffers=4)
+  with pytest.raises(ValueError, match="buffers must be an int in"):
+    make_private(**common, noise="blt", buffers=16)
+  with pytest.raises(ValueError, match="secure_noise"):
+    make_private(**common, noise="blt", buffers=2, secure_noise=True)
+  with pytest.raises(ValueError, match="blt_strategy"):  # a dp_* optimizer takes it built
+    dm.dp_muon(0.02, 1.0, 1.0, 8.0, noise="blt")
+  with pytest.raises(ValueError, match="--buffers goes with --noise blt"):
+    TrainConfig(noise="blt")
+  with pytest.raises(ValueError, match="at most 15"):
+    TrainConfig(noise="blt", buffers=16)
+
+
+def test_dpmuon_account_gives_make_privates_blt_sigma_and_its_epsilon():
+  setup = make_private(target_epsilon=4.0, target_delta=1e-5, dataset_size=4_500,
+                       expected_batch_size=64, l2_clip_norm=1.0, steps=300, key=0,
+                       noise="blt", buffers=3)
+  common = ["--sampling-rate", str(64 / 4_500), "--steps", "300", "--noise", "blt",
+            "--buffers", "3"]
+  printed = [json.loads(subprocess.run(
+      [sys.executable, "-m", "dpmuon_jax.cli", "account", *given, *common],
+      capture_output=True, text=True, check=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout)
+      for given in (["--epsilon", "4"], ["--sigma", str(setup.noise_multiplier)])]
+  assert printed[0]["sigma"] == pytest.approx(setup.noise_multiplier, rel=1e-9)
+  assert printed[1]["epsilon"] == pytest.approx(setup.ledger.epsilon_after(300), rel=1e-9)
+  assert (printed[0]["noise"], printed[0]["buffers"], printed[0]["cycle_length"]) == (
+      "blt", 3, 70)
+
+
+def test_published_runs_compose_as_each_was_accounted():
+  """``dpmuon compare``'s combined ε: an iid, a BandMF (b = 4) and a BLT run's ledgers compose
+  to dp_accounting's composition of the three events written out by hand: T Poisson releases;
+  ⌈T/b⌉ at the within-group rate; one Gaussian of σ/Δ_T. Composed as T Poisson releases of
+  σ at the recorded rate each (what compare did before), BandMF and BLT runs would not."""
+  from dpmuon_jax.privacy.accounting import PrivacyLedger, composed_ledgers_epsilon
+  from dpmuon_jax.privacy.correlated import blt_sensitivity
+
+  common = dict(target_epsilon=2.0, target_delta=1e-5, dataset_size=4_500,
+                expected_batch_size=64, l2_clip_norm=1.0, steps=300)
+  setups = [make_private(**common, key=0),
+            make_private(**common, key=1, noise="bandmf", bands=4),
+            make_private(**common, key=2, noise="blt", buffers=2)]
+  for setup in setups:
+    setup.ledger.record(setup.sampler, setup.release, 300)
+  iid, bandmf, blt = (s.noise_multiplier for s in setups)
+  q = 64 / 4_500
+  events = [
+      dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(iid)), 300),
+      dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+          4 * q, dp_accounting.GaussianDpEvent(bandmf)), 75),
+      dp_accounting.GaussianDpEvent(
+          blt / blt_sensitivity(setups[2].release_kwargs["noise"], 300, 70)),
+  ]
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(dp_accounting.ComposedDpEvent(events))
+  ledgers = [PrivacyLedger.from_json(s.ledger.to_json()) for s in setups]
+  combined = composed_ledgers_epsilon(ledgers, 1e-5)
+  assert combined == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+  assert max(s.ledger.epsilon() for s in setups) < combined < 6.0
+  as_poisson = dp_accounting.rdp.RdpAccountant()
+  for setup in setups:
+    as_poisson.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        setup.sampler.sampling_rate, dp_accounting.GaussianDpEvent(setup.noise_multiplier)),
+        300))
+  assert as_poisson.get_epsilon(1e-5) > 1.5 * combined
+
+
 _RUN = dict(model="mlp", dataset="tiny", optimizer="dp_muon", epsilon=50.0, delta=1e-3,
             batch_size=16, epochs=4, seed=3, progress=False, plot=False, learning_rate=0.02,
-            checkpoint_every=3, noise="bandmf", bands=2)
+            checkpoint_every=3)
 
 _KILLABLE = """
 import json, sys
@@ -155,15 +265,26 @@ train(TrainConfig(**json.loads(sys.argv[1])), data)
 """
 
 
-def test_a_sigkilled_bandmf_run_resumes_to_the_uninterrupted_parameters(tmp_path, tiny_data):
-  """DP-Muon over BandMF noise (b = 2), killed after 7 releases (its last checkpoint at 6 or
-  earlier): the resumed run restores the noise buffers, replays the lost releases with their
-  keys and ends on the uninterrupted run's parameters, bit for bit, with its certificate."""
-  whole = train(TrainConfig(**_RUN, output_dir=str(tmp_path / "whole")), tiny_data)
+# (settings, the certificate's (noise, bands or buffers, groups, participations)): 64 examples,
+# B = 16, 16 releases; BLT's groups are ⌊N/B⌋ = 4.
+_NOISES = {"bandmf": ({"noise": "bandmf", "bands": 2}, ("bandmf", 2, 2, 8)),
+           "blt": ({"noise": "blt", "buffers": 2}, ("blt", 2, 4, 4))}
+
+
+@pytest.mark.parametrize("noise", sorted(_NOISES))
+def test_a_sigkilled_correlated_noise_run_resumes_to_the_uninterrupted_parameters(
+    tmp_path, tiny_data, noise):
+  """DP-Muon over BandMF (b = 2) or BLT (k = 2) noise, killed after 7 releases (its last
+  checkpoint at 6 or earlier): the resumed run, in a new process, rebuilds the same strategy,
+  restores the noise buffers, replays the lost releases with their keys and ends on the
+  uninterrupted run's parameters, bit for bit, with its certificate."""
+  settings, (name, size, groups, participated) = _NOISES[noise]
+  run = {**_RUN, **settings}
+  whole = train(TrainConfig(**run, output_dir=str(tmp_path / "whole")), tiny_data)
   killed = str(tmp_path / "killed")
   journal = os.path.join(killed, JOURNAL_NAME)
   child = subprocess.Popen([sys.executable, "-c", _KILLABLE,
-                            json.dumps({**_RUN, "output_dir": killed})],
+                            json.dumps({**run, "output_dir": killed})],
                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
   try:
     deadline = time.time() + 240
@@ -174,7 +295,7 @@ def test_a_sigkilled_bandmf_run_resumes_to_the_uninterrupted_parameters(tmp_path
     child.wait()
   made = len(read_journal(journal))
   assert 7 <= made < whole["releases"]
-  resumed = train(TrainConfig(**_RUN, output_dir=killed, resume=True), tiny_data)
+  resumed = train(TrainConfig(**run, output_dir=killed, resume=True), tiny_data)
   assert resumed["releases"] == whole["releases"] == 16
   assert resumed["epsilon_spent"] == pytest.approx(whole["epsilon_spent"], rel=1e-12)
   ours = load_exported(os.path.join(killed, "export"))
@@ -182,6 +303,7 @@ def test_a_sigkilled_bandmf_run_resumes_to_the_uninterrupted_parameters(tmp_path
   chex.assert_trees_all_equal(ours.params, theirs.params)
   mechanism = ours.certificate["mechanism"]
   assert mechanism == theirs.certificate["mechanism"]
-  assert (mechanism["noise"], mechanism["bands"], mechanism["cycle_length"],
-          mechanism["participations"]) == ("bandmf", 2, 2, 8)
-  assert mechanism["sampling"] == "cyclic poisson over 2 groups"
+  assert (mechanism["noise"], mechanism.get("bands", mechanism.get("buffers")),
+          mechanism["cycle_length"], mechanism["participations"]) == (
+              name, size, groups, participated)
+  assert mechanism["sampling"] == f"cyclic poisson over {groups} groups"

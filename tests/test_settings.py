@@ -27,7 +27,7 @@ CONCEPTS = {
     "clipped_sum_method": "--clipped-sum-method", "model_seed": "--model-seed",
     "resume": "--resume", "devices": "--devices", "mesh": "--mesh", "log_dir": "--log-dir",
     "privacy_unit": "--privacy-unit", "max_examples_per_user": "--max-examples-per-user",
-    "noise": "--noise", "bands": "--bands",
+    "noise": "--noise", "bands": "--bands", "buffers": "--buffers",
 }
 _SAME_CONCEPT = {"data": "dataset"}  # the audit's field for its --dataset
 

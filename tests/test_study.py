@@ -560,3 +560,55 @@ def test_report_only_writes_the_report_of_the_runs_so_far_and_trains_nothing(
     (summary,) = list(csv.DictReader(f))
   assert summary["chosen_learning_rate"] == "0.1" and summary["seeds"] == "0"
   assert not (out / "runs").exists()  # nothing trained
+
+
+def _noise_study():
+  arms = tuple(Arm(o, 256, 0.1, epochs=1.0, learning_rate=0.1, label=label,
+                   **({"noise": "bandmf", "bands": 4} if label == "bandmf" else {}))
+               for label in ("iid", "bandmf") for o in ("dp_sgd", "dp_muon"))
+  return Study("t", "test", arms, seeds=(1, 2, 3, 4), selection_seed=1)
+
+
+def _noise_rows(study, accuracies):
+  """``accuracies[(optimizer, label)]``: test accuracy on seeds 2, 3, 4."""
+  return [r for arm in study.arms
+          for r in _reported(arm, 0.1, accuracies[arm.optimizer, arm.label])]
+
+
+@pytest.mark.parametrize("muon_bandmf, q1, q2", [
+    # e = DP-Muon + BandMF − DP-SGD iid > 0 on every seed, beyond 2 SE: the gap closes
+    ((0.52, 0.53, 0.51), "closes DP-Muon's gap", "helps DP-Muon more"),
+    # h(DP-Muon) > 0 on every seed, e of both signs: narrowed only
+    ((0.49, 0.50, 0.495), "narrows DP-Muon's gap", "helps DP-Muon more"),
+    # h(DP-Muon) < 0 on every seed, but less so than h(DP-SGD): i > 0
+    ((0.46, 0.47, 0.465), "does not help DP-Muon", "helps DP-Muon more"),
+    # h(DP-Muon) < 0, and below h(DP-SGD) on every seed: i < 0
+    ((0.44, 0.445, 0.43), "does not help DP-Muon", "helps DP-Muon less"),
+    # h(DP-Muon) < 0, i of both signs
+    ((0.44, 0.47, 0.455), "does not help DP-Muon", "no detectable difference"),
+    # h(DP-Muon) of both signs
+    ((0.47, 0.49, 0.48), "undecided", "helps DP-Muon more"),
+])
+def test_the_correlated_noise_rule_classes_h_e_and_i_seed_by_seed(muon_bandmf, q1, q2):
+  """DP-SGD iid 0.50 on every seed, DP-SGD + BandMF 0.47 (h(DP-SGD) = −0.03), DP-Muon iid
+  0.48 (1.5 points behind where e and h(DP-Muon) split apart, the seeds' spread)."""
+  study = _noise_study()
+  accuracies = {("dp_sgd", "iid"): (0.50, 0.50, 0.50), ("dp_sgd", "bandmf"): (0.47, 0.47, 0.47),
+                ("dp_muon", "iid"): (0.48, 0.48, 0.48), ("dp_muon", "bandmf"): muon_bandmf}
+  quantities, (verdict,) = study_report.correlated_noise_rows(study, _noise_rows(study,
+                                                                              accuracies))
+  by_name = {q["quantity"]: q for q in quantities}
+  assert by_name["h_dp_sgd"]["class"] == "negative"
+  assert by_name["e"]["mean"] == pytest.approx(np.mean(muon_bandmf) - 0.50)
+  assert by_name["i"]["mean"] == pytest.approx(np.mean(muon_bandmf) - 0.48 + 0.03)
+  assert (verdict["q1_gap"], verdict["q2_as_much_as_dp_sgd"]) == (q1, q2)
+
+
+def test_the_correlated_noise_rule_reads_no_verdict_from_part_of_the_seeds():
+  study = _noise_study()
+  accuracies = {key: (0.5, 0.5, 0.5) for key in
+                [(o, label) for o in ("dp_sgd", "dp_muon") for label in ("iid", "bandmf")]}
+  rows = [r for r in _noise_rows(study, accuracies) if r["seed"] != "4"]
+  quantities, verdicts = study_report.correlated_noise_rows(study, rows)
+  assert verdicts == [] and {q["class"] for q in quantities} == {""}
+  assert all(q["seeds"] == "2 3" for q in quantities)

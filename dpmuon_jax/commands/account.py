@@ -14,7 +14,8 @@ import json
 from dpmuon_jax import checks
 from dpmuon_jax.help_format import HelpFormatter
 
-_SHARED = ("epsilon", "delta", "noise_multiplier", "epochs", "accountant", "noise", "bands")
+_SHARED = ("epsilon", "delta", "noise_multiplier", "epochs", "accountant", "noise", "bands",
+           "buffers")
 
 
 def add(sub) -> None:
@@ -32,7 +33,10 @@ def add(sub) -> None:
       "(--batch-sizes, with --epsilon, --dataset-size N and --epochs: q = B/N, "
       "T = epochs/q). With --noise bandmf --bands b (cyclic Poisson sampling over b groups, "
       "each sampled at rate b·q in its turn) an example takes part in ⌈T/b⌉ releases, and "
-      "those are what is composed. Prints JSON (or the table).",
+      "those are what is composed. With --noise blt --buffers k (cyclic over b = ⌊1/q⌋ groups, "
+      "one release per example per epoch) the T releases are ONE Gaussian mechanism of "
+      "noise multiplier σ/Δ_T, Δ_T the sensitivity of the k-buffer BLT optimised for them, "
+      "without amplification. Prints JSON (or the table).",
       formatter_class=HelpFormatter,
   )
   add_flags(account, TrainConfig, _SHARED, defaults={"epsilon": None, "epochs": None},
@@ -65,6 +69,8 @@ def check(args: argparse.Namespace) -> None:
       checks.check_positive_int(flag, value)
   if (args.noise == "bandmf") != (args.bands is not None):
     raise ValueError("--bands goes with --noise bandmf, and --noise bandmf needs --bands.")
+  if (args.noise == "blt") != (args.buffers is not None):
+    raise ValueError("--buffers goes with --noise blt, and --noise blt needs --buffers.")
 
 
 def _composed(args: argparse.Namespace, q: float, steps: int) -> tuple[float, int]:
@@ -79,10 +85,38 @@ def _composed(args: argparse.Namespace, q: float, steps: int) -> tuple[float, in
   return bands * q, participations(steps, bands)
 
 
+def _blt(args: argparse.Namespace, q: float, steps: int):
+  """The k-buffer BLT for T releases ⌊1/q⌋ apart (make_private's, with q = B/N)."""
+  from dpmuon_jax.privacy.correlated import blt_groups, blt_strategy
+
+  return blt_strategy(steps, args.buffers, blt_groups(1.0, q))
+
+
+def _sigma(args: argparse.Namespace, epsilon: float, q: float, steps: int) -> float:
+  """The σ that spends ``epsilon`` over T releases at rate q, for the noise of ``args``."""
+  from dpmuon_jax.privacy.accounting import (
+      calibrate_blt_noise_multiplier,
+      calibrate_noise_multiplier,
+  )
+
+  if args.noise == "blt":
+    return calibrate_blt_noise_multiplier(epsilon, args.delta, _blt(args, q, steps),
+                                          args.accountant)
+  return calibrate_noise_multiplier(epsilon, args.delta, *_composed(args, q, steps),
+                                    args.accountant)
+
+
+def _epsilon(args: argparse.Namespace, sigma: float, q: float, steps: int) -> float:
+  """The ε that σ spends over T releases at rate q, for the noise of ``args``."""
+  from dpmuon_jax.privacy.accounting import compute_blt_epsilon, compute_epsilon
+
+  if args.noise == "blt":
+    return compute_blt_epsilon(sigma, args.delta, _blt(args, q, steps), args.accountant)
+  return compute_epsilon(sigma, *_composed(args, q, steps), args.delta, args.accountant)
+
+
 def _table(args: argparse.Namespace) -> None:
   """σ, q and T for each expected batch size at a fixed number of epochs."""
-  from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier
-
   if None in (args.epsilon, args.dataset_size, args.epochs):
     raise ValueError("--batch-sizes needs --epsilon, --dataset-size and --epochs.")
   print(f"{'B':>8} {'q':>10} {'T':>8} {'σ':>10}")
@@ -92,15 +126,12 @@ def _table(args: argparse.Namespace) -> None:
       raise ValueError(f"batch size {batch} must be in [1, {args.dataset_size}].")
     q = batch / args.dataset_size
     steps = max(1, round(args.epochs / q))
-    sigma = calibrate_noise_multiplier(args.epsilon, args.delta, *_composed(args, q, steps),
-                                       args.accountant)
+    sigma = _sigma(args, args.epsilon, q, steps)
     print(f"{batch:>8} {q:>10.5f} {steps:>8} {sigma:>10.4f}")
 
 
 def run(args: argparse.Namespace) -> int:
   """Prints the table, or one JSON line with σ and ε."""
-  from dpmuon_jax.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
-
   check(args)
   if args.batch_sizes is not None:
     _table(args)
@@ -111,13 +142,26 @@ def run(args: argparse.Namespace) -> int:
   if (epsilon is None) == (sigma is None):
     raise ValueError("give exactly one of --epsilon (to get σ) and --noise-multiplier "
                      "(--sigma, to get ε).")
-  rate, compositions = _composed(args, args.sampling_rate, args.steps)
+  q, steps = args.sampling_rate, args.steps
   if sigma is not None:
-    epsilon = compute_epsilon(sigma, rate, compositions, args.delta, args.accountant)
+    epsilon = _epsilon(args, sigma, q, steps)
   else:
-    sigma = calibrate_noise_multiplier(epsilon, args.delta, rate, compositions, args.accountant)
-  bandmf = {"noise": args.noise, "bands": args.bands, "rate_in_group": rate,
-            "participations": compositions} if args.bands else {"noise": args.noise}
+    sigma = _sigma(args, epsilon, q, steps)
   print(json.dumps({"sigma": sigma, "epsilon": epsilon, "delta": args.delta,
-                    "sampling_rate": args.sampling_rate, "steps": args.steps, **bandmf}))
+                    "sampling_rate": q, "steps": steps, **_mechanism(args, q, steps)}))
   return 0
+
+
+def _mechanism(args: argparse.Namespace, q: float, steps: int) -> dict:
+  """The noise, and for correlated noise the groups and what the accountant composed."""
+  from dpmuon_jax.privacy.correlated import blt_sensitivity
+
+  if args.noise == "blt":
+    strategy = _blt(args, q, steps)
+    return {"noise": "blt", "buffers": args.buffers, "cycle_length": strategy.min_sep,
+            "sensitivity": blt_sensitivity(strategy)}
+  if args.bands:
+    rate, compositions = _composed(args, q, steps)
+    return {"noise": args.noise, "bands": args.bands, "rate_in_group": rate,
+            "participations": compositions}
+  return {"noise": args.noise}

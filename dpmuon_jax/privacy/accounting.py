@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import dp_accounting
@@ -380,6 +380,30 @@ def calibrate_blt_noise_multiplier(
       lambda sigma: _gaussian_epsilon(sigma / sensitivity, delta, accountant), target_epsilon)
 
 
+def compute_blt_epsilon(
+    noise_multiplier: float,
+    target_delta: float,
+    strategy: BLTStrategy,
+    accountant: str = RDP,
+    *,
+    cycle_length: int | None = None,
+) -> float:
+  """ε at δ of a BLT release's T releases: ONE Gaussian mechanism of noise multiplier σ/Δ_T.
+
+  Δ_T = :func:`~dpmuon_jax.privacy.correlated.blt_sensitivity` for releases ``cycle_length``
+  apart (default the strategy's ``min_sep``); no amplification by sampling. Add/remove-one
+  adjacency (for replace-one, pass σ/2). The inverse of :func:`calibrate_blt_noise_multiplier`.
+  """
+  if not isinstance(strategy, BLTStrategy):
+    raise TypeError(f"strategy must be a BLTStrategy (blt_strategy), got {strategy!r}.")
+  _check_sigma(noise_multiplier)
+  _check_delta(target_delta)
+  _check_accountant(accountant)
+  sensitivity = blt_sensitivity(strategy, separation=cycle_length)
+  return _gaussian_epsilon(float(noise_multiplier) / sensitivity, float(target_delta),
+                           accountant)
+
+
 class LedgerConfig(NamedTuple):
   """The privacy configuration a ledger accounts for (public settings)."""
 
@@ -714,3 +738,24 @@ class PrivacyLedger:
         f"C={c.l2_clip_norm:g}, D={c.denominator:g}, δ={c.target_delta:g}, "
         f"target_ε={c.target_epsilon}, {c.neighbouring}, {c.accountant}, seeded={self.seeded})"
     )
+
+
+def composed_ledgers_epsilon(ledgers: Sequence[PrivacyLedger], target_delta: float,
+                             accountant: str = RDP) -> float:
+  """ε at δ of several runs that are ALL published: their ledgers' events composed.
+
+  Each ledger contributes :meth:`PrivacyLedger.event` of the releases it recorded, so
+  independent, BandMF (⌈T/b⌉ participations at the within-group rate) and BLT (one Gaussian
+  mechanism, no amplification) runs compose as each was accounted. The runs must be
+  independent: different root keys, so no shared noise or samples.
+  """
+  _check_delta(target_delta)
+  _check_accountant(accountant)
+  for ledger in ledgers:
+    if not isinstance(ledger, PrivacyLedger):
+      raise TypeError(f"ledgers must be PrivacyLedgers, got {type(ledger).__name__}.")
+  with quiet_dp_accounting():
+    acc = make_accountant(accountant)
+    for ledger in ledgers:
+      acc.compose(ledger.event())
+    return float(acc.get_epsilon(float(target_delta)))

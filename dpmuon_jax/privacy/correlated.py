@@ -70,8 +70,11 @@ PyTree = Any
 
 IID = "iid"
 BANDMF = "bandmf"
-NOISES = (IID, BANDMF)
-"""The ``noise`` settings of every ``dp_*`` optimizer and of ``make_private``."""
+BLT = "blt"
+NOISES = (IID, BANDMF, BLT)
+"""The ``noise`` names of ``make_private`` and the trainers. A ``dp_*`` optimizer takes
+``"iid"``, ``"bandmf"`` or a built strategy: its BLT is ``blt_strategy(T, k, b)``, whose
+groups b come from the data (``make_private(noise="blt")`` builds it)."""
 
 
 class BandMFStrategy(NamedTuple):
@@ -236,6 +239,12 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
     raise ValueError(f"{name} must be an int {bounds}, got {value!r}.")
 
 
+def blt_groups(dataset_size: float, expected_batch_size: float) -> int:
+  """b = ⌊N/B⌋ (at least 1; robust to float rounding of N/B): the groups of the cyclic
+  sampler a BLT release is built for, each example in one release per epoch."""
+  return max(1, math.floor(dataset_size / expected_batch_size + 1e-9))
+
+
 @functools.lru_cache(maxsize=32)
 def _optimized_blt(steps: int, buffers: int,
                    min_sep: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -370,6 +379,10 @@ def noise_strategy(noise: Noise, bands: int | None = None,
       raise ValueError(f"noise is a {type(noise).__name__} already: it fixes its "
                        "strategy and steps, pass neither bands nor steps.")
     return noise
+  if noise == BLT:
+    raise ValueError("noise='blt' is built by make_private (and the trainers), which know "
+                     "the groups b = ⌊N/B⌋ it is optimised for; to a dp_* optimizer pass the "
+                     "built strategy, noise=blt_strategy(steps, buffers, min_sep).")
   if noise not in NOISES:
     raise ValueError(f"noise must be one of {', '.join(NOISES)}, a BandMFStrategy or a "
                      f"BLTStrategy, got {noise!r}.")

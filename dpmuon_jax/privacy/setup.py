@@ -17,12 +17,19 @@ so q, σ, D and T cannot disagree: the ledger reads them back from the
 sampler and release objects. The sampler and the release share one root key
 (drawn once from OS entropy when ``key=None``) and use its different named
 streams; every release built from the setup claims a noise stream of its own.
+
+With ``noise="blt", buffers=k`` (buffered-linear-Toeplitz noise) the sampler is b-cyclic
+with b = ⌊N/B⌋ groups (one participation per epoch, the most separation at rate ≤ 1), C is
+the k-buffer BLT optimised for T releases b apart
+(:func:`~dpmuon_jax.privacy.correlated.blt_strategy`), and σ is calibrated for ONE Gaussian
+mechanism of noise multiplier σ/Δ_T, without amplification (McMahan, Xu and Zhang, "A
+Hassle-free Algorithm for Private Learning in Practice", §3).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optax
 
@@ -30,11 +37,21 @@ from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import (
     RDP,
     PrivacyLedger,
+    calibrate_blt_noise_multiplier,
     calibrate_noise_multiplier,
     participations,
 )
 from dpmuon_jax.privacy.clipping import EXAMPLE, Clipping, as_clipping
-from dpmuon_jax.privacy.correlated import BANDMF, IID, NOISES, gaussian_release
+from dpmuon_jax.privacy.correlated import (
+    BANDMF,
+    BLT,
+    IID,
+    NOISES,
+    BLTStrategy,
+    blt_groups,
+    blt_strategy,
+    gaussian_release,
+)
 from dpmuon_jax.privacy.keys import KeyLike, root_key
 from dpmuon_jax.privacy.query import ClippedSum, QueryFn, clipped_sum
 from dpmuon_jax.privacy.release import (
@@ -114,6 +131,7 @@ def make_private(
     privacy_unit: str | None = None,
     noise: str = IID,
     bands: int | None = None,
+    buffers: int | None = None,
 ) -> PrivateSetup:
   """From a privacy target to the sampler, release and ledger of one run.
 
@@ -145,6 +163,11 @@ def make_private(
       number of USERS, B the expected number of sampled users, the data are grouped one
       row per user (:func:`~dpmuon_jax.data.users.group_by_user`) and the clipping rule
       clips each user's mean query (``Clipping.unit``), so (ε, δ) hold per user.
+    noise: ``"iid"`` (default), ``"bandmf"`` (with ``bands``) or ``"blt"`` (with
+      ``buffers``): see the module docstring. ``release_kwargs`` then carry the strategy to
+      every ``dp_*`` optimizer built from them.
+    bands: b of ``"bandmf"``, the bands and the sampler's groups.
+    buffers: k of ``"blt"``, in [1, 15].
 
   Returns:
     A :class:`PrivateSetup`.
@@ -162,12 +185,13 @@ def make_private(
     epochs = checks.check_positive("epochs", epochs)
     steps = max(1, round(epochs / sampling_rate))
   steps = checks.check_positive_int("steps", steps)
-  cycle_length = _cycle_length(noise, bands, expected_batch_size, dataset_size, secure_noise)
-  if noise_multiplier is None:  # each example can take part in ⌈T/b⌉ releases, at rate q_b
-    noise_multiplier = calibrate_noise_multiplier(
-        target_epsilon, target_delta, sampling_rate * cycle_length,
-        participations(steps, cycle_length), accountant
-    )
+  cycle_length = _cycle_length(noise, bands, buffers, expected_batch_size, dataset_size,
+                               secure_noise)
+  noise_kwargs = _noise_kwargs(noise, buffers, steps, cycle_length)
+  if noise_multiplier is None:
+    noise_multiplier = _calibrated_sigma(target_epsilon, target_delta, dataset_size,
+                                         sampling_rate, steps, accountant, cycle_length,
+                                         noise_kwargs)
 
   clipping = _clipping(l2_clip_norm, clipping, privacy_unit, secure_noise)
   root = root_key(key)
@@ -181,26 +205,55 @@ def make_private(
       "denominator": float(denominator),
       "key": root,
       "clipping": clipping,
-      **({"noise": noise, "bands": cycle_length, "steps": steps} if noise == BANDMF else {}),
+      **noise_kwargs,
   }
   release = gaussian_release(**release_kwargs)
   ledger = PrivacyLedger(sampler, release, target_delta, target_epsilon, accountant)
   return PrivateSetup(sampler, steps, float(noise_multiplier), release, ledger, release_kwargs)
 
 
-def _cycle_length(noise: str, bands: int | None, expected_batch_size: float,
-                  dataset_size: int, secure_noise: bool) -> int:
-  """b, the sampler's groups: ``bands`` for BandMF noise, 1 for independent noise."""
+def _noise_kwargs(noise: str, buffers: int | None, steps: int,
+                  cycle_length: int) -> dict[str, Any]:
+  """The release's noise settings: none for iid noise, BandMF's name, bands and T, or the
+  built k-buffer BLT for T releases ``cycle_length`` apart."""
+  if noise == BANDMF:
+    return {"noise": noise, "bands": cycle_length, "steps": steps}
+  if noise == BLT:
+    return {"noise": blt_strategy(steps, cast(int, buffers), cycle_length)}
+  return {}
+
+
+def _calibrated_sigma(target_epsilon: float, target_delta: float, dataset_size: int,
+                      sampling_rate: float, steps: int, accountant: str, cycle_length: int,
+                      noise_kwargs: dict[str, Any]) -> float:
+  """σ for ε after T releases: BLT as ONE Gaussian of σ/Δ_T (no amplification); otherwise
+  the ⌈T/b⌉ releases an example takes part in, at the within-group rate b·q."""
+  strategy = noise_kwargs.get("noise")
+  if isinstance(strategy, BLTStrategy):
+    return calibrate_blt_noise_multiplier(target_epsilon, target_delta, strategy, accountant,
+                                          dataset_size=dataset_size)
+  return calibrate_noise_multiplier(target_epsilon, target_delta, sampling_rate * cycle_length,
+                                    participations(steps, cycle_length), accountant)
+
+
+def _cycle_length(noise: str, bands: int | None, buffers: int | None,
+                  expected_batch_size: float, dataset_size: int, secure_noise: bool) -> int:
+  """b, the sampler's groups: ``bands`` for BandMF noise, ⌊N/B⌋ for BLT noise, 1 for
+  independent noise."""
   if noise not in NOISES:
     raise ValueError(f"noise must be one of {', '.join(NOISES)}, got {noise!r}.")
+  if (noise == BANDMF) != (bands is not None):
+    raise ValueError("bands goes with noise='bandmf', and noise='bandmf' needs bands.")
+  if (noise == BLT) != (buffers is not None):
+    raise ValueError("buffers goes with noise='blt', and noise='blt' needs buffers.")
   if noise == IID:
-    if bands is not None:
-      raise ValueError("bands is a setting of noise='bandmf'; noise='iid' takes none.")
     return 1
-  bands = checks.check_positive_int("bands", bands)
   if secure_noise:
     raise ValueError("secure_noise adds exact discrete noise, available with noise='iid' "
                      "only.")
+  if noise == BLT:  # buffers are checked by blt_strategy
+    return blt_groups(dataset_size, expected_batch_size)
+  bands = checks.check_positive_int("bands", bands)
   if bands * expected_batch_size > dataset_size:
     raise ValueError(f"bands × expected_batch_size must not exceed dataset_size: each of "
                      f"the {bands} groups of about {dataset_size / bands:g} examples gives an "

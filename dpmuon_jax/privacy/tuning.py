@@ -331,16 +331,6 @@ def tuned_epsilon(
                            target_delta)
 
 
-def composed_epsilon(runs: Sequence[RunPrivacy], target_delta: float) -> float:
-  """ε at δ of several runs that are ALL published (RDP composition; no selection)."""
-  checks.check_in_range("target_delta", target_delta, 0.0, 1.0, False, False)
-  rdp = np.zeros(len(RDP_ORDERS))
-  for run in runs:
-    _check_run(run)
-    rdp = rdp + release_rdp(run.noise_multiplier, run.sampling_rate, int(run.steps))
-  return epsilon_from_rdp(rdp, target_delta)
-
-
 MAX_NOISE_MULTIPLIER = 1e4
 """The largest σ :func:`calibrate_tuned_noise_multiplier` tries."""
 

@@ -508,7 +508,7 @@ def _lm_setup(config: LMTrainConfig, n: int, root, rows_devices: int = 1) -> Pri
       expected_batch_size=config.sampling_rate * n, l2_clip_norm=config.clip,
       steps=config.steps, key=root, accountant=config.accountant,
       denominator=config.denominator, privacy_unit=config.privacy_unit,
-      noise=config.noise, bands=config.bands,
+      noise=config.noise, bands=config.bands, buffers=config.buffers,
       capacity=config.capacity or sharded_capacity(n, config.sampling_rate, rows_devices,
                                                    config.microbatch_size),
   )

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dpmuon_jax.data.images import ImageDataset
 from dpmuon_jax.extras import pyplot
 from dpmuon_jax.optimizers import registry as optimizer_registry
+from dpmuon_jax.privacy.accounting import PrivacyLedger, composed_ledgers_epsilon
 from dpmuon_jax.privacy.keys import named_seed
-from dpmuon_jax.privacy.tuning import RunPrivacy, composed_epsilon
 from dpmuon_jax.training.trainer import TrainConfig, TrainingError, train
 
 SUMMARY_FILE = "comparison.json"
@@ -120,22 +120,24 @@ def compare_optimizers(
     raise TrainingError(
         f"Give one learning rate per optimizer ({len(names)}), got {len(learning_rates)}.")
   os.makedirs(config.output_dir, exist_ok=True)
-  rows = []
+  rows, run_results = [], []
   for name, learning_rate in zip(names, learning_rates):
     run_dir = os.path.join(config.output_dir, name)
     started = time.perf_counter()
     seed = None if config.seed is None else named_seed(config.seed, name)
     results = train(dataclasses.replace(config, optimizer=name, learning_rate=learning_rate,
                                         output_dir=run_dir, seed=seed), data)
+    run_results.append(results)
     rows.append(_row(name, learning_rate, results, _history(run_dir, results),
                      time.perf_counter() - started))
-  released = [RunPrivacy(r["noise_multiplier"], r["sampling_rate"], r["releases"])
-              for r in rows if r["releases"] > 0]
+  released = [PrivacyLedger.from_json(results["ledger"])
+              for results in run_results if results["releases"] > 0]
   summary = {
       "rows": rows,
       "target_epsilon": config.epsilon,
       "delta": config.delta,
-      "combined_epsilon": composed_epsilon(released, config.delta) if released else 0.0,
+      "combined_epsilon": (composed_ledgers_epsilon(released, config.delta, config.accountant)
+                           if released else 0.0),
       "plot": plot_accuracy(rows, os.path.join(config.output_dir, PLOT_FILE),
                             f"{data.name}, ε = {config.epsilon:g}"),
   }

@@ -808,6 +808,7 @@ def _results(config: RunSettings, placed: _Placed, ledger: PrivacyLedger, stop_r
       "guarantee": guarantee(ledger.epsilon(), config.delta, ledger.config.neighbouring,
                              seeded, ledger.config.privacy_unit),
       "privacy_unit": ledger.config.privacy_unit,
+      "ledger": ledger.to_dict(),  # public settings and counts: what composes it with others
       # The seed is the root key of a seeded run: it stays in the owner-only checkpoints.
       "config": {**dataclasses.asdict(config), "seed": None},
       "export": "export",  # relative to the run's folder, which may be moved

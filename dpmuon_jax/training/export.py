@@ -204,8 +204,26 @@ def noise_mechanism(config: LedgerConfig, releases: int) -> dict:
 
   Independent noise: Poisson sampling at rate q, T compositions. BandMF (b bands): b-cyclic
   Poisson sampling, q the rate within the group sampled at a release, and ⌈T/b⌉
-  compositions (Choquette-Choo et al., "(Amplified) Banded Matrix Factorization", §4).
+  compositions (Choquette-Choo et al., "(Amplified) Banded Matrix Factorization", §4). BLT
+  (k buffers): b-cyclic sampling for its separation, ONE Gaussian mechanism of σ/Δ_T
+  accounted, no amplification (McMahan, Xu and Zhang, "A Hassle-free Algorithm for Private
+  Learning in Practice", §3).
   """
+  strategy = config.blt_strategy()
+  if strategy is not None:
+    return {
+        "noise": "blt",
+        "buffers": strategy.buffers,
+        "strategy": (f"{strategy.buffers}-buffer lower-triangular Toeplitz C (BLT), optimised "
+                     f"for {strategy.steps} releases {strategy.min_sep} apart (jax_privacy); "
+                     "release t adds row t of σC·C⁻¹Z"),
+        "buf_decay": [float(v) for v in strategy.buf_decay],
+        "output_scale": [float(v) for v in strategy.output_scale],
+        "sampling": f"cyclic poisson over {config.cycle_length} groups",
+        "cycle_length": config.cycle_length,
+        "participations": participations(releases, config.cycle_length),
+        "accounting": "one Gaussian mechanism of noise multiplier σ/Δ_T, no amplification",
+    }
   if config.bands == 1:
     return {"noise": "iid", "sampling": "poisson", "participations": releases}
   return {

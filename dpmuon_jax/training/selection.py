@@ -122,6 +122,9 @@ def _plan(config: TrainConfig, train_part: ImageDataset, options: TuneOptions) -
     raise TrainingError("dpmuon tune calibrates σ itself; do not fix the noise multiplier.")
   if config.accountant != "rdp":
     raise TrainingError("dpmuon tune accounts with RDP (its bounds are RDP bounds).")
+  if config.noise != "iid":
+    raise TrainingError(f"dpmuon tune's bounds are for independent noise with Poisson "
+                        f"sampling; --noise {config.noise} is not covered by them.")
   if not 0 < config.batch_size <= train_part.num_train:
     raise TrainingError(
         f"--batch-size must be in [1, {train_part.num_train}] (the training part), "

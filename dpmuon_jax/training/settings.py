@@ -27,7 +27,7 @@ from typing import Any
 from dpmuon_jax import checks
 from dpmuon_jax.privacy.accounting import ACCOUNTANTS, RDP
 from dpmuon_jax.privacy.clipping import EXAMPLE, PRIVACY_UNITS, USER
-from dpmuon_jax.privacy.correlated import BANDMF, IID, NOISES
+from dpmuon_jax.privacy.correlated import BANDMF, BLT, IID, MAX_BUFFERS, NOISES
 from dpmuon_jax.privacy.ghost import CLIPPED_SUM_METHODS
 
 Check = Callable[[str, Any], Any]
@@ -115,6 +115,15 @@ def validate(config: Any) -> None:
     check_setting(type(config), field.name, getattr(config, field.name))
 
 
+def _check_buffers(name: str, value: Any) -> int:
+  """An int in [1, MAX_BUFFERS], the buffers jax_privacy's BLT optimisation takes."""
+  buffers = checks.check_positive_int(name, value)
+  if buffers > MAX_BUFFERS:
+    raise ValueError(f"{name} must be at most {MAX_BUFFERS} (more buffers are numerically "
+                     f"unstable), got {value!r}.")
+  return buffers
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivacySettings:
   """What every private run is calibrated to: (ε, δ), the clip C, the accountant, the seed,
@@ -145,23 +154,34 @@ class PrivacySettings:
   noise: str = setting(
       IID, choices=NOISES, help="iid: fresh Gaussian noise per release; bandmf: banded "
       "matrix-factorization noise, correlated over --bands releases, with cyclic Poisson "
-      "sampling (each example in one of b groups, sampled every b-th release)")
+      "sampling (each example in one of b groups, sampled every b-th release); blt: "
+      "buffered-linear-Toeplitz noise with --buffers k, cyclic over b = N/B groups (one "
+      "release per example per epoch), accounted without amplification")
   bands: int | None = setting(
       None, check=checks.check_positive_int, help="--noise bandmf: the bands b (and groups "
       "of the cyclic sampler); b = 1 is independent noise")
+  buffers: int | None = setting(
+      None, check=_check_buffers,
+      help=f"--noise blt: the buffers k (1 to {MAX_BUFFERS}), k copies of the parameters")
 
   def __post_init__(self) -> None:
     validate(self)
     self.check_noise()
 
   def check_noise(self) -> None:
-    """``--bands`` exactly when ``--noise bandmf``."""
+    """``--bands`` exactly when ``--noise bandmf``, ``--buffers`` exactly when ``--noise blt``."""
     if (self.noise == BANDMF) != (self.bands is not None):
       raise ValueError("--bands goes with --noise bandmf, and --noise bandmf needs --bands.")
+    if (self.noise == BLT) != (self.buffers is not None):
+      raise ValueError("--buffers goes with --noise blt, and --noise blt needs --buffers.")
 
   def noise_config(self) -> dict:
     """The correlated-noise settings, as a checkpoint records them (none for iid noise)."""
-    return {"noise": self.noise, "bands": self.bands} if self.noise != IID else {}
+    if self.noise == IID:
+      return {}
+    if self.noise == BLT:
+      return {"noise": self.noise, "buffers": self.buffers}
+    return {"noise": self.noise, "bands": self.bands}
 
 
 def _positive_int(help: str, default: int | None = None) -> Any:

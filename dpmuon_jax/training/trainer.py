@@ -364,7 +364,7 @@ class ImageTask:
         key=root, accountant=config.accountant, noise_multiplier=config.noise_multiplier,
         clipping=clipping_by_name(config.clipping, config.clip),
         secure_noise=config.secure_noise, privacy_unit=config.privacy_unit,
-        noise=config.noise, bands=config.bands,
+        noise=config.noise, bands=config.bands, buffers=config.buffers,
         # The padded batch must split evenly into devices × microbatches.
         capacity=sharded_capacity(
             units, config.batch_size / units, rows_devices, config.microbatch_size),
