@@ -125,15 +125,15 @@ def test_make_private_calibrates_sigma_for_the_participations_of_cyclic_sampling
   assert iid.noise_multiplier < setup.noise_multiplier
 
 
-def test_dpmuon_account_gives_make_privates_sigma():
+def test_dpmuon_account_gives_make_privates_sigma(capsys):
+  from dpmuon_jax.cli import main
+
   setup = make_private(target_epsilon=4.0, target_delta=1e-5, dataset_size=45_000,
                        expected_batch_size=256, l2_clip_norm=1.0, steps=1055, key=0,
                        noise="bandmf", bands=4)
-  out = subprocess.run(
-      [sys.executable, "-m", "dpmuon_jax.cli", "account", "--epsilon", "4", "--sampling-rate",
-       str(256 / 45_000), "--steps", "1055", "--noise", "bandmf", "--bands", "4"],
-      capture_output=True, text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  printed = json.loads(out.stdout)
+  assert main(["account", "--epsilon", "4", "--sampling-rate", str(256 / 45_000), "--steps",
+               "1055", "--noise", "bandmf", "--bands", "4"]) == 0
+  printed = json.loads(capsys.readouterr().out)
   assert printed["sigma"] == pytest.approx(setup.noise_multiplier, rel=1e-4)
   assert printed["participations"] == 264 and printed["noise"] == "bandmf"
 
@@ -192,17 +192,18 @@ def test_named_blt_noise_is_refused_where_it_does_not_fit():
     TrainConfig(noise="blt", buffers=16)
 
 
-def test_dpmuon_account_gives_make_privates_blt_sigma_and_its_epsilon():
+def test_dpmuon_account_gives_make_privates_blt_sigma_and_its_epsilon(capsys):
+  from dpmuon_jax.cli import main
+
   setup = make_private(target_epsilon=4.0, target_delta=1e-5, dataset_size=4_500,
                        expected_batch_size=64, l2_clip_norm=1.0, steps=300, key=0,
                        noise="blt", buffers=3)
   common = ["--sampling-rate", str(64 / 4_500), "--steps", "300", "--noise", "blt",
             "--buffers", "3"]
-  printed = [json.loads(subprocess.run(
-      [sys.executable, "-m", "dpmuon_jax.cli", "account", *given, *common],
-      capture_output=True, text=True, check=True,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout)
-      for given in (["--epsilon", "4"], ["--sigma", str(setup.noise_multiplier)])]
+  printed = []
+  for given in (["--epsilon", "4"], ["--sigma", str(setup.noise_multiplier)]):
+    assert main(["account", *given, *common]) == 0
+    printed.append(json.loads(capsys.readouterr().out))
   assert printed[0]["sigma"] == pytest.approx(setup.noise_multiplier, rel=1e-9)
   assert printed[1]["epsilon"] == pytest.approx(setup.ledger.epsilon_after(300), rel=1e-9)
   assert (printed[0]["noise"], printed[0]["buffers"], printed[0]["cycle_length"]) == (
@@ -217,11 +218,11 @@ def test_published_runs_compose_as_each_was_accounted():
   from dpmuon_jax.privacy.accounting import PrivacyLedger, composed_ledgers_epsilon
   from dpmuon_jax.privacy.correlated import blt_sensitivity
 
-  common = dict(target_epsilon=2.0, target_delta=1e-5, dataset_size=4_500,
+  common = dict(target_epsilon=4.0, target_delta=1e-5, dataset_size=4_500,
                 expected_batch_size=64, l2_clip_norm=1.0, steps=300)
   setups = [make_private(**common, key=0),
             make_private(**common, key=1, noise="bandmf", bands=4),
-            make_private(**common, key=2, noise="blt", buffers=2)]
+            make_private(**common, key=2, noise="blt", buffers=3)]  # the BLT above
   for setup in setups:
     setup.ledger.record(setup.sampler, setup.release, 300)
   iid, bandmf, blt = (s.noise_multiplier for s in setups)
@@ -239,7 +240,7 @@ def test_published_runs_compose_as_each_was_accounted():
   ledgers = [PrivacyLedger.from_json(s.ledger.to_json()) for s in setups]
   combined = composed_ledgers_epsilon(ledgers, 1e-5)
   assert combined == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
-  assert max(s.ledger.epsilon() for s in setups) < combined < 6.0
+  assert max(s.ledger.epsilon() for s in setups) < combined < 12.0
   as_poisson = dp_accounting.rdp.RdpAccountant()
   for setup in setups:
     as_poisson.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
