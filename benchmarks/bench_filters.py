@@ -1,7 +1,8 @@
 """Cost of DiSK-Muon and DOPPLER-Muon relative to DP-Muon on the small CNN, CPU.
 
     python benchmarks/bench_filters.py            # B = 1024, microbatch 128
-    python benchmarks/bench_filters.py --quick    # B = 8, microbatch 4, one round (smoke run)
+    python benchmarks/bench_filters.py --quick    # B = 8, microbatch 4, one round, each code
+                                                  # path once (smoke run)
 
 One full private step each (:func:`dpmuon_jax.make_private_step`: chunked
 clipped sum of the optimizer's own query, release, post-processing, update),
@@ -43,6 +44,7 @@ OPTIMIZERS = {
     "DiSK-Muon (c = 1)": lambda d: dp_disk_muon(LR, CLIP, SIGMA, d, key=0, kappa=0.5, gamma=1.0),
     "DOPPLER-Muon": lambda d: dp_doppler_muon(LR, CLIP, SIGMA, d, key=0),
 }
+QUICK_OPTIMIZERS = ("DP-Muon", "DiSK-Muon (2 grads)", "DOPPLER-Muon")  # --quick: each path once
 
 
 def build(name: str, batch_size: int, microbatch: int):
@@ -67,9 +69,10 @@ def build(name: str, batch_size: int, microbatch: int):
   return compiled, args
 
 
-def time_steps(batch_size: int, microbatch: int, rounds: int) -> dict[str, float]:
-  built = {name: build(name, batch_size, microbatch) for name in OPTIMIZERS}
-  times = {name: [] for name in OPTIMIZERS}
+def time_steps(names: tuple[str, ...], batch_size: int, microbatch: int,
+               rounds: int) -> dict[str, float]:
+  built = {name: build(name, batch_size, microbatch) for name in names}
+  times = {name: [] for name in names}
   for _ in range(rounds):
     for name, (compiled, args) in built.items():
       start = time.perf_counter()
@@ -105,7 +108,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="smoke run, its numbers mean nothing: B = 8, microbatch 4, "
-                      "1 round, DP-Muon's memory only")
+                      "1 round, DiSK-Muon (c = 1) left out (DiSK's code path again), "
+                      "DP-Muon's memory only")
   parser.add_argument("--batch-size", type=int, default=None)
   parser.add_argument("--microbatch", type=int, default=None)
   parser.add_argument("--rounds", type=int, default=None)
@@ -121,14 +125,15 @@ def main() -> None:
   rounds = args.rounds or (1 if args.quick else 3)
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, SmallCNN, B = {b}, "
         f"microbatch {mb}, {rounds} rounds")
-  times = time_steps(b, mb, rounds)
+  names = QUICK_OPTIMIZERS if args.quick else tuple(OPTIMIZERS)
+  times = time_steps(names, b, mb, rounds)
   # --quick measures one child (the code path), not every optimizer's memory.
   measured = list(OPTIMIZERS)[:1] if args.quick else list(OPTIMIZERS)
   memory = {name: measure_memory(name, b, mb) for name in measured}
   base_t, base_m = times["DP-Muon"], memory["DP-Muon"]
   print(f"  {'optimizer':22s} {'step s':>8s} {'× time':>7s} {'peak RSS GiB':>13s} {'× RSS':>6s} "
         f"{'XLA temp GiB':>13s} {'× temp':>7s} {'state MiB':>10s}")
-  for name in OPTIMIZERS:
+  for name in names:
     if name not in memory:
       print(f"  {name:22s} {times[name]:8.3f} {times[name] / base_t:7.2f}   (memory: not measured)")
       continue
