@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -308,3 +309,23 @@ def test_a_sigkilled_correlated_noise_run_resumes_to_the_uninterrupted_parameter
           mechanism["cycle_length"], mechanism["participations"]) == (
               name, size, groups, participated)
   assert mechanism["sampling"] == f"cyclic poisson over {groups} groups"
+
+
+@pytest.mark.parametrize("noise", sorted(_NOISES))
+def test_a_correlated_noise_run_never_goes_on_with_fresh_noise_after_a_lost_release(
+    tmp_path, tiny_data, noise):
+  """Its last checkpoint lost, a BandMF or BLT run resumed with a changed setting cannot
+  replay release 4: with independent noise it would be charged and the run go on with fresh
+  keys (tests/test_journal.py), but that second branch of releases is outside the cyclic,
+  one-pass accounting, so the resume is refused. The export still charges the lost release."""
+  from dpmuon_jax.training.export import export_run
+  from dpmuon_jax.training.trainer import TrainingError
+
+  settings, _ = _NOISES[noise]
+  run = {**_RUN, **settings, "checkpoint_every": 1, "output_dir": str(tmp_path / "run")}
+  train(TrainConfig(**run, max_steps=4), tiny_data)
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
+  with pytest.raises(TrainingError, match="fresh noise"):
+    train(TrainConfig(**{**run, "augment": True}, resume=True), tiny_data)
+  certificate = load_exported(export_run(str(tmp_path / "run"))).certificate
+  assert certificate["releases"] == 4 and certificate["releases_in_checkpoint"] == 3

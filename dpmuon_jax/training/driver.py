@@ -458,6 +458,8 @@ def _plan_keys(run: Run, ledger, journal_path, fingerprint, start, metadata, roo
       replayable=(metadata is not None or root.seeded) and not run.optimizer.release.secure_noise,
       sealed=seals.keys(),
   )
+  if plan.key_index > start:  # the lost releases cannot be replayed: fresh noise from here
+    refuse_fresh_noise(ledger)
   if plan.charge_now:  # a seeded start's releases keep their caveat under a fresh root
     ledger.record(run.setup.sampler, run.optimizer, count=plan.charge_now,
                   seeded=any_seeded(lost))
@@ -652,6 +654,7 @@ def _releases(session: _Session, state: LoopState) -> tuple[LoopState, str]:
       run.before_release(state)
     released = release(run.step_fn, state, sampler=run.setup.sampler, to_chunks=run.to_chunks)
     if not session.is_recorded_sum(state, released.seal):  # another sum under a used key
+      refuse_fresh_noise(ledger)
       state = _skip_lost(run, ledger, state, session.replay_until)
       print(f"The release at step {state.step + 1} recomputed after the crash differs from "
             f"the one made before it: the lost releases are charged (ε = "
@@ -662,6 +665,32 @@ def _releases(session: _Session, state: LoopState) -> tuple[LoopState, str]:
     state = released.state
     session.after_release(state, released.out)
   return state, COMPLETED
+
+
+def refuse_fresh_noise(ledger: PrivacyLedger) -> None:
+  """Refuses to go on with fresh noise after lost releases, under cyclic sampling or
+  correlated noise.
+
+  Fresh noise from the checkpoint makes a second branch of releases beside the lost ones.
+  With independent noise and Poisson sampling each branch's releases are more compositions,
+  which the ledger charges. Under b-cyclic sampling the ledger counts ⌈T/b⌉ participations
+  of one pass over the releases, and a BandMF or BLT release's noise is one pass over its
+  strategy C: the second branch re-samples the same groups at the same steps and re-uses the
+  checkpoint's noise buffers, which that accounting does not cover.
+
+  Raises:
+    TrainingError: for such a run; the lost releases stay in the journal, which
+      ``dpmuon export`` charges.
+  """
+  c = ledger.config
+  if c.cycle_length > 1 or c.bands > 1 or c.blt_steps:
+    raise TrainingError(
+        "Refusing to go on with fresh noise: releases made after the last checkpoint cannot "
+        "be replayed exactly, and under cyclic sampling or correlated noise (BandMF, BLT) the "
+        "accounting covers one pass over the run's releases, not a second branch from the "
+        "checkpoint. The lost releases are in the journal and `dpmuon export` charges them. "
+        "Resume with the run's own settings and code to replay them exactly, or start a new "
+        "--output-dir.")
 
 
 def _skip_lost(run: Run, ledger: PrivacyLedger, state: LoopState,
