@@ -351,6 +351,11 @@ def _calibrate(epsilon: Callable[[float], float], target_epsilon: float) -> floa
   )
 
 
+def _check_blt_strategy(strategy: Any) -> None:
+  if not isinstance(strategy, BLTStrategy):
+    raise TypeError(f"strategy must be a BLTStrategy (blt_strategy), got {strategy!r}.")
+
+
 def calibrate_blt_noise_multiplier(
     target_epsilon: float,
     target_delta: float,
@@ -368,8 +373,7 @@ def calibrate_blt_noise_multiplier(
   :func:`calibrate_noise_multiplier`. Add/remove-one adjacency; for replace-one adjacency,
   double the result.
   """
-  if not isinstance(strategy, BLTStrategy):
-    raise TypeError(f"strategy must be a BLTStrategy (blt_strategy), got {strategy!r}.")
+  _check_blt_strategy(strategy)
   _check_epsilon(target_epsilon)
   _check_delta(target_delta)
   _warn_large_delta(target_delta, dataset_size, stacklevel=2)
@@ -394,8 +398,7 @@ def compute_blt_epsilon(
   apart (default the strategy's ``min_sep``); no amplification by sampling. Add/remove-one
   adjacency (for replace-one, pass σ/2). The inverse of :func:`calibrate_blt_noise_multiplier`.
   """
-  if not isinstance(strategy, BLTStrategy):
-    raise TypeError(f"strategy must be a BLTStrategy (blt_strategy), got {strategy!r}.")
+  _check_blt_strategy(strategy)
   _check_sigma(noise_multiplier)
   _check_delta(target_delta)
   _check_accountant(accountant)
